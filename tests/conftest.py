@@ -1,0 +1,116 @@
+"""Fixtures that start real services: Kafka (plaintext and SCRAM+ACL profiles),
+Prometheus with Alertmanager and a webhook receiver.
+
+A service that cannot start fails the test with the reason (devstack's
+``ServiceError`` carries the log tail); nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka import KafkaAdminClient
+
+from devstack.kafka import KafkaBroker, start_broker
+from devstack.prometheus import Alertmanager, Prometheus, start_alertmanager, start_prometheus
+from devstack.webhook import WebhookReceiver
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    broker = start_broker("plaintext", tmp_path_factory.mktemp("kafka-plaintext"))
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def scram_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    broker = start_broker("scram", tmp_path_factory.mktemp("kafka-scram"))
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def admin(kafka_broker: KafkaBroker) -> Iterator[KafkaAdminClient]:
+    client = KafkaAdminClient(**kafka_broker.client_config())
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def scram_admin(scram_broker: KafkaBroker) -> Iterator[KafkaAdminClient]:
+    client = KafkaAdminClient(**scram_broker.client_config())
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> Callable[[str], str]:
+    """Fresh topic, group or user names for this test: ``unique_name("traces")``."""
+    stem = request.node.name.replace("[", "-").replace("]", "").lower()[:40]
+
+    def make(kind: str) -> str:
+        return f"{kind}-{stem}-{uuid.uuid4().hex[:8]}"
+
+    return make
+
+
+def _topic_factory(client: KafkaAdminClient, unique_name: Callable[[str], str]) -> Iterator[Callable[..., str]]:
+    created: list[str] = []
+
+    def make(kind: str = "topic", partitions: int = 1, configs: dict[str, str] | None = None) -> str:
+        name = unique_name(kind)
+        client.create_topics(
+            {name: {"num_partitions": partitions, "replication_factor": 1, "configs": configs or {}}},
+            wait_for_metadata=True,
+        )
+        created.append(name)
+        return name
+
+    yield make
+    if created:
+        client.delete_topics(created, raise_errors=False)
+
+
+@pytest.fixture
+def make_topic(admin: KafkaAdminClient, unique_name: Callable[[str], str]) -> Iterator[Callable[..., str]]:
+    """Create fresh topics on the plaintext broker: ``make_topic("traces", partitions=4)``."""
+    yield from _topic_factory(admin, unique_name)
+
+
+@pytest.fixture
+def make_scram_topic(scram_admin: KafkaAdminClient, unique_name: Callable[[str], str]) -> Iterator[Callable[..., str]]:
+    """Create fresh topics on the SCRAM broker (as its super user)."""
+    yield from _topic_factory(scram_admin, unique_name)
+
+
+@dataclass
+class PrometheusStack:
+    prometheus: Prometheus
+    alertmanager: Alertmanager
+    webhook: WebhookReceiver
+
+
+@pytest.fixture
+def prometheus_stack(tmp_path: Path) -> Iterator[Callable[..., PrometheusStack]]:
+    """Start Prometheus (repository config and rules) with Alertmanager (repository
+    config) sending to a webhook receiver: ``prometheus_stack({"job": ["host:port"]})``."""
+    started: list[Any] = []
+
+    def make(targets: dict[str, list[str]]) -> PrometheusStack:
+        webhook = WebhookReceiver()
+        started.append(webhook)
+        am = start_alertmanager(webhook.url, tmp_path / "alertmanager")
+        started.append(am)
+        prom = start_prometheus(targets, [am.address], tmp_path / "prometheus")
+        started.append(prom)
+        return PrometheusStack(prom, am, webhook)
+
+    yield make
+    for item in reversed(started):
+        item.stop() if hasattr(item, "stop") else item.close()
