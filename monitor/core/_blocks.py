@@ -1,0 +1,106 @@
+"""Cache-sized passes over attention weights: the inner loop of :mod:`metrics`.
+
+Every metric reduces a trace ``[H, R, K]`` row by row, and the similarity Gram
+matrix sums over (row, key). Both decompose over blocks of rows, so a trace is
+processed a few rows at a time (small traces several at a time), in scratch
+buffers that stay in the CPU cache and are reused from block to block. Each block
+is converted to float32 once and then visited by a handful of vectorised passes.
+
+float16 is converted at the bit level (numpy's own float16 cast is a scalar loop,
+about 8x slower): the 15 magnitude bits are shifted into a float32 with the exponent
+rebased by 112, which is exact for normal numbers and maps a subnormal ``m·2⁻²⁴`` to
+``2⁻¹⁵ + m·2⁻²⁵``; adding ``min(v, 2⁻¹⁴) − 2⁻¹⁴`` undoes that exactly (Sterbenz) and
+leaves normal numbers untouched. Every step is exact, so the result equals
+``astype(float32)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+F32 = np.float32
+_REBIAS = np.uint32(112 << 23)
+_SUBNORMAL_EDGE = F32(2.0**-14)
+_TINY = F32(np.finfo(np.float32).tiny)
+#: elements per block: 2**18 float32 values are 1 MiB, well inside L2.
+BLOCK_ELEMENTS = 1 << 18
+
+
+@dataclass
+class Scratch:
+    """Reusable float32 buffers; grown on demand, never shrunk."""
+
+    values: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
+    other: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
+
+    def take(self, n: int) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        if self.values.size < n:
+            self.values = np.empty(n, F32)
+            self.other = np.empty(n, F32)
+        return self.values[:n], self.other[:n]
+
+
+def to_float32(src: NDArray[np.generic], out: NDArray[np.float32]) -> None:
+    """Write ``src`` (float16 or float32, finite, non-negative) into ``out`` as float32."""
+    if src.dtype == np.float32:
+        np.copyto(out, src)
+        return
+    bits = out.view(np.uint32)
+    np.copyto(bits, src.view(np.uint16), casting="unsafe")
+    np.left_shift(bits, 13, out=bits)
+    np.add(bits, _REBIAS, out=bits)
+    _undo_subnormal_offset(out)
+
+
+def _undo_subnormal_offset(v: NDArray[np.float32]) -> None:
+    # v' = v for normals; v' = 2^-15 + m 2^-25 for subnormal m 2^-24 (zero included).
+    # d = min(v', 2^-14) - 2^-14 is 0 for normals and v' - 2^-14 otherwise; v' + d = v.
+    d = np.minimum(v, _SUBNORMAL_EDGE)
+    np.subtract(d, _SUBNORMAL_EDGE, out=d)
+    np.add(v, d, out=v)
+
+
+@dataclass
+class BlockSums:
+    """Per-row sums of one block ``[t, H, r]`` and its Gram contribution ``[t, H, H]``."""
+
+    total: NDArray[np.float32]
+    xlogx: NDArray[np.float32]
+    peak: NDArray[np.float32]
+    first: NDArray[np.float32]
+    gram: NDArray[np.float32]
+
+
+def reduce_block(
+    weights: NDArray[np.generic],
+    valid: NDArray[np.bool_] | None,
+    scratch: Scratch,
+) -> BlockSums:
+    """Row sums of ``w``, ``w·log w``, the row maximum and ``w[..., 0]`` over valid keys,
+    and the Gram matrix of ``sqrt(w / rowsum)`` over (row, key), for a block
+    ``weights[t, H, r, K]`` with ``valid`` broadcast to the same shape (or None)."""
+    t, h, r, k = weights.shape
+    flat_w, flat_o = scratch.take(weights.size)
+    w = flat_w.reshape(weights.shape)
+    o = flat_o.reshape(weights.shape)
+    to_float32(weights, w)
+    if valid is not None:
+        np.multiply(w, valid, out=w)
+    total = w.sum(axis=-1)
+    peak = w.max(axis=-1)
+    first = w[..., 0].copy()
+    # w·log w with 0·log 0 = 0: log of max(w, tiny) is finite and is multiplied by w.
+    np.maximum(w, _TINY, out=o)
+    np.log(o, out=o)
+    xlogx = np.einsum("...k,...k->...", w, o)
+    # sqrt(p) = sqrt(w) / sqrt(rowsum); rows without mass contribute nothing.
+    with np.errstate(divide="ignore"):
+        inv = np.where(total > 0, 1.0 / np.sqrt(total), 0.0).astype(F32)
+    np.sqrt(w, out=o)
+    np.multiply(o, inv[..., None], out=o)
+    q = o.reshape(t, h, r * k)
+    gram = np.matmul(q, q.transpose(0, 2, 1))
+    return BlockSums(total, xlogx, peak, first, gram)
