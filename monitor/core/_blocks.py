@@ -27,6 +27,8 @@ _SUBNORMAL_EDGE = F32(2.0**-14)
 _TINY = F32(np.finfo(np.float32).tiny)
 #: elements per block: 2**18 float32 values are 1 MiB, well inside L2.
 BLOCK_ELEMENTS = 1 << 18
+#: from this many keys on, the Gram matrix is built row by row.
+PER_ROW_GRAM_KEYS = 1024
 
 
 @dataclass
@@ -43,24 +45,34 @@ class Scratch:
         return self.values[:n], self.other[:n]
 
 
-def to_float32(src: NDArray[np.generic], out: NDArray[np.float32]) -> None:
-    """Write ``src`` (float16 or float32, finite, non-negative) into ``out`` as float32."""
+def to_float32(
+    src: NDArray[np.generic],
+    out: NDArray[np.float32],
+    valid: NDArray[np.bool_] | None = None,
+    spare: NDArray[np.float32] | None = None,
+) -> None:
+    """Write ``src`` (float16 or float32, finite, non-negative) into ``out`` as float32,
+    with zeros where ``valid`` is False. ``spare`` (same size as ``out``) is scratch."""
     if src.dtype == np.float32:
-        np.copyto(out, src)
+        if valid is None:
+            np.copyto(out, src)
+        else:
+            np.multiply(src, valid, out=out)
         return
+    half = src.view(np.uint16)
+    if valid is not None:
+        masked = (np.empty(out.shape, F32) if spare is None else spare).view(np.uint16)[..., : src.shape[-1]]
+        np.multiply(half, valid, out=masked)
+        half = masked
     bits = out.view(np.uint32)
-    np.copyto(bits, src.view(np.uint16), casting="unsafe")
+    np.copyto(bits, half, casting="unsafe")
     np.left_shift(bits, 13, out=bits)
     np.add(bits, _REBIAS, out=bits)
-    _undo_subnormal_offset(out)
-
-
-def _undo_subnormal_offset(v: NDArray[np.float32]) -> None:
-    # v' = v for normals; v' = 2^-15 + m 2^-25 for subnormal m 2^-24 (zero included).
+    # v' = v for normals; v' = 2^-15 + m 2^-25 for a subnormal m 2^-24 (and zero).
     # d = min(v', 2^-14) - 2^-14 is 0 for normals and v' - 2^-14 otherwise; v' + d = v.
-    d = np.minimum(v, _SUBNORMAL_EDGE)
+    d = np.minimum(out, _SUBNORMAL_EDGE, out=np.empty_like(out) if spare is None else spare)
     np.subtract(d, _SUBNORMAL_EDGE, out=d)
-    np.add(v, d, out=v)
+    np.add(out, d, out=out)
 
 
 @dataclass
@@ -82,13 +94,10 @@ def reduce_block(
     """Row sums of ``w``, ``w·log w``, the row maximum and ``w[..., 0]`` over valid keys,
     and the Gram matrix of ``sqrt(w / rowsum)`` over (row, key), for a block
     ``weights[t, H, r, K]`` with ``valid`` broadcast to the same shape (or None)."""
-    t, h, r, k = weights.shape
     flat_w, flat_o = scratch.take(weights.size)
     w = flat_w.reshape(weights.shape)
     o = flat_o.reshape(weights.shape)
-    to_float32(weights, w)
-    if valid is not None:
-        np.multiply(w, valid, out=w)
+    to_float32(weights, w, valid, o)
     total = w.sum(axis=-1)
     peak = w.max(axis=-1)
     first = w[..., 0].copy()
@@ -96,11 +105,22 @@ def reduce_block(
     np.maximum(w, _TINY, out=o)
     np.log(o, out=o)
     xlogx = np.einsum("...k,...k->...", w, o)
-    # sqrt(p) = sqrt(w) / sqrt(rowsum); rows without mass contribute nothing.
+    # Gram matrix of sqrt(p) = sqrt(w) / sqrt(rowsum) over (row, key); rows without
+    # mass count 0. Long rows: per-row Gram matrices, scaled afterwards on [t, r, H, H]
+    # (cheaper than scaling the block). Short rows: scale the block, one product.
     with np.errstate(divide="ignore"):
         inv = np.where(total > 0, 1.0 / np.sqrt(total), 0.0).astype(F32)
     np.sqrt(w, out=o)
-    np.multiply(o, inv[..., None], out=o)
-    q = o.reshape(t, h, r * k)
-    gram = np.matmul(q, q.transpose(0, 2, 1))
+    t, h, r, k = weights.shape
+    if k >= PER_ROW_GRAM_KEYS:
+        rows = o.transpose(0, 2, 1, 3)  # [t, r, H, K]
+        per_row = np.matmul(rows, rows.transpose(0, 1, 3, 2))
+        inv_rows = inv.transpose(0, 2, 1)
+        per_row *= inv_rows[..., :, None]
+        per_row *= inv_rows[..., None, :]
+        gram = per_row.sum(axis=1)
+    else:
+        np.multiply(o, inv[..., None], out=o)
+        q = o.reshape(t, h, r * k)
+        gram = np.matmul(q, q.transpose(0, 2, 1))
     return BlockSums(total, xlogx, peak, first, gram)
