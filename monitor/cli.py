@@ -1,6 +1,15 @@
-"""The ``attention-monitor`` command line."""
+"""The ``attention-monitor`` command line.
+
+Exit codes: 0 success; 1 a check failed (an audit FAIL, an invalid configuration);
+2 bad usage or unreadable input; 3 an infrastructure error (broker unreachable,
+authorization refused) after retries; 130 interrupted.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -9,17 +18,108 @@ app = typer.Typer(
     help="Watch the attention heads of transformer models in production.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
+contract_app = typer.Typer(help="Model contracts: what a model revision's attention layers are.",
+                           no_args_is_help=True)
+app.add_typer(contract_app, name="contract")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _load_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        typer.echo(f"error: cannot read {what} {path}: {exc.strerror}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    except json.JSONDecodeError as exc:
+        typer.echo(f"error: {what} {path} is not JSON: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+
+
+@app.command()
+def audit(
+    contract: Annotated[Path | None, typer.Argument(help="contract JSON (docs/routing-audit.md)")] = None,
+    evidence: Annotated[Path | None, typer.Argument(help="evidence JSON (docs/routing-audit.md)")] = None,
+    example: Annotated[bool, typer.Option("--example", help="audit the illustrative two-head layer")] = False,
+) -> None:
+    """Audit one attention layer's frozen head records against its contract.
+
+    Prints content identities of the contract, the projections and the combined
+    result, the heads, token 0's combined output, and the decision. Exits 1 on FAIL.
+    Head existence does not establish specialization: that needs task metrics plus
+    controlled head ablation.
+    """
+    from monitor.core.audit import audit_multi_head_routing, report_lines
+    from monitor.core.audit_types import AuditInputError, contract_from_mapping, evidence_from_mapping
+
+    if example == (contract is not None or evidence is not None):
+        typer.echo("error: give either --example or both CONTRACT and EVIDENCE", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if example:
+        from monitor.core.audit_example import example_contract, example_evidence
+
+        docs = example_contract(), example_evidence()
+    else:
+        if contract is None or evidence is None:
+            typer.echo("error: give both CONTRACT and EVIDENCE", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        docs = _load_json(contract, "contract"), _load_json(evidence, "evidence")
+    try:
+        report = audit_multi_head_routing(contract_from_mapping(docs[0]), evidence_from_mapping(docs[1]))
+    except AuditInputError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    if example:
+        typer.echo("example=illustrative_only")
+    for line in report_lines(report):
+        typer.echo(line)
+    if report.decision != "PASS":
+        raise typer.Exit(EXIT_FAILED)
+
+
+@contract_app.command("derive")
+def contract_derive(
+    checkpoint: Annotated[list[Path], typer.Argument(help="safetensors file(s) of the checkpoint")],
+    config: Annotated[Path, typer.Option(help="the model's config.json (num_attention_heads, …)")],
+    model_id: Annotated[str, typer.Option(help="the model id traces will carry")],
+    mask: Annotated[str, typer.Option(help="causal or bidirectional")] = "causal",
+    scale: Annotated[float | None, typer.Option(help="softmax scale (default 1/sqrt(head_dim))")] = None,
+    revision: Annotated[str | None, typer.Option(help="revision (default: sha256 of the files)")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="write here instead of stdout")] = None,
+) -> None:
+    """Derive the model contract from a checkpoint's tensor shapes and its config.
+
+    Head counts, head dimensions and KV groups come from the tensors themselves; the
+    config's num_attention_heads (and head_dim, num_key_value_heads when present) are
+    checked against them. Prints the contract JSON with its contract_id.
+    """
+    from pydantic import ValidationError
+
+    from monitor.checkpoint import CheckpointError, derive_contract
+
+    if mask not in ("causal", "bidirectional"):
+        typer.echo(f"error: --mask must be causal or bidirectional, got {mask!r}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    cfg = _load_json(config, "config")
+    try:
+        model = derive_contract(checkpoint, cfg, model_id=model_id, mask=mask, scale=scale, revision=revision)
+    except (CheckpointError, ValidationError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    text = json.dumps({"contract_id": model.contract_id, "contract": model.canonical()}, indent=2)
+    if output:
+        output.write_text(text + "\n")
+        typer.echo(f"contract_id={model.contract_id} written to {output}")
+    else:
+        typer.echo(text)
 
 
 @app.command()
 def demo() -> None:
-    """Run the monitor on built-in synthetic traces, with no external service.
-
-    Two revisions of a model are simulated; the second develops low head diversity in
-    one layer. The same pipeline as `run` computes the metrics, raises the anomalies,
-    joins them to outcomes and serves /metrics; a summary is printed at the end.
-    """
+    """Run the monitor on built-in synthetic traces, with no external service."""
     typer.echo("attention-monitor demo: not built yet. It will feed synthetic traces of two "
                "model revisions through the monitor's pipeline, serve /metrics, and print "
                "per-layer metrics and the anomalies raised.")

@@ -1,0 +1,78 @@
+"""The model contract: what a model revision's attention layers are.
+
+Traces name it by ``contract_id``, the content identity
+``attention-model-contract@sha256:…`` of its canonical serialization (the scheme of
+:mod:`monitor.core.identity`, shared with the routing audit). Published on the
+compacted topic ``attention-contracts`` keyed by that id.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from monitor.core.identity import content_id
+
+CONTRACT_KIND = "attention-model-contract"
+
+
+class LayerContract(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer: int = Field(ge=0)
+    d_model: int = Field(gt=0)
+    head_dim: int = Field(gt=0, description="d_k of every query head")
+    value_dim: int = Field(gt=0, description="d_v of every head")
+    heads: tuple[str, ...] = Field(min_length=1, description="query head ids in declared order")
+    kv_groups: tuple[int, ...] = Field(description="KV group of each query head, in head order")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LayerContract:
+        if len(set(self.heads)) != len(self.heads):
+            raise ValueError(f"layer {self.layer}: head ids are not unique")
+        if len(self.kv_groups) != len(self.heads):
+            raise ValueError(f"layer {self.layer}: kv_groups needs one group per head ({len(self.heads)})")
+        groups = sorted(set(self.kv_groups))
+        if groups != list(range(len(groups))):
+            raise ValueError(f"layer {self.layer}: kv_groups must be numbered 0..G-1, got {groups}")
+        return self
+
+    @property
+    def group_count(self) -> int:
+        return len(set(self.kv_groups))
+
+
+class ModelContract(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = 1
+    model_id: str = Field(min_length=1, max_length=200)
+    model_revision: str = Field(min_length=1, max_length=200, description="commit or weights hash; immutable")
+    mask: Literal["causal", "bidirectional"]
+    scale: float = Field(gt=0, description="the factor applied to q·k before the softmax")
+    layers: tuple[LayerContract, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_layers(self) -> ModelContract:
+        numbers = [layer.layer for layer in self.layers]
+        if len(set(numbers)) != len(numbers):
+            raise ValueError("layer numbers are not unique")
+        if not math.isfinite(self.scale):
+            raise ValueError("scale must be finite")
+        return self
+
+    def canonical(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @cached_property
+    def contract_id(self) -> str:
+        return content_id(CONTRACT_KIND, self.canonical())
+
+    def layer(self, number: int) -> LayerContract | None:
+        for layer in self.layers:
+            if layer.layer == number:
+                return layer
+        return None
