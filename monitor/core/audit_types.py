@@ -191,7 +191,7 @@ def _int(doc: Mapping[str, Any], key: str) -> int:
 
 def _float(doc: Mapping[str, Any], key: str, where: str = "") -> float:
     value = doc.get(key)
-    if not _is_number(value):
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise AuditInputError(f"{where}{key} must be a number")
     return float(value)
 
