@@ -36,6 +36,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from monitor.core._blocks import BLOCK_ELEMENTS, Scratch, reduce_block
+from monitor.core.mass import value_fault
 
 F64 = np.float64
 Array = NDArray[np.float64]
@@ -174,20 +175,15 @@ def _checked(weights: ArrayLike, valid: ArrayLike | None) -> tuple[NDArray[np.ge
 
 
 def _finite_non_negative(w: NDArray[np.generic]) -> NDArray[np.generic]:
-    """Cheap integer test on the bit patterns; the exact test only when it trips."""
-    if w.dtype == np.float16:
-        suspicious = int(w.view(np.uint16).max()) >= 0x7C00  # sign bit, or exponent all ones
-    else:
-        bits = w.view(np.int32)
-        suspicious = int(bits.min()) < 0 or int(bits.max()) >= 0x7F800000
-    if not suspicious:
-        return w
-    if not np.isfinite(w).all():
+    fault = value_fault(w)
+    if fault == "non_finite":
         raise ValueError("weights must be finite; found NaN or infinity")
-    if (np.asarray(w) < 0).any():
+    if fault == "negative":
         raise ValueError(f"weights must be non-negative; minimum is {float(w.min())}")
-    positive: NDArray[np.generic] = np.abs(w)  # only negative zeros were left: make them +0
-    return positive
+    if w.dtype == np.float16 and int(w.view(np.uint16).max()) >= 0x8000:
+        positive: NDArray[np.generic] = np.abs(w)  # negative zeros: make them +0 for the bit-level cast
+        return positive
+    return w
 
 
 def _valid_count(v: NDArray[np.bool_] | None, k: int) -> NDArray[np.int64]:

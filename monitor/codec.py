@@ -1,0 +1,198 @@
+"""Trace records: ``encode`` for producers, ``decode`` for the monitor.
+
+``decode`` returns a validated :class:`Trace` or raises :class:`TraceRejected` with a
+reason from :class:`RejectReason`; nothing else escapes, whatever the bytes. Checks run
+cheapest and most fundamental first: sizes (before any allocation), framing, the
+signature (before the header is parsed), the header, limits, scope, the model
+contract, then the values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import ValidationError
+
+from monitor import wire
+from monitor.access import Keyring, ScopePolicy
+from monitor.contract import LayerContract, ModelContract, TraceHeader
+from monitor.core.mass import row_mass, value_fault
+from monitor.errors import RejectReason, TraceRejected
+
+DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+ContractLookup = Callable[[str], ModelContract | None] | Mapping[str, ModelContract]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits and tolerances. Sizes are checked before anything is allocated."""
+
+    max_record_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_heads: int = 256
+    max_rows: int = 1024
+    max_keys: int = 262_144
+    dtypes: frozenset[str] = frozenset(DTYPES)
+    #: largest weight mass a row may put on keys its mask hides
+    masked_mass_tolerance: float = 1e-3
+    #: largest |row sum − 1| over valid keys, by dtype (float16 rounds each weight to 11 bits)
+    row_sum_tolerance_float16: float = 1e-2
+    row_sum_tolerance_float32: float = 1e-4
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A decoded, verified trace. ``weights`` is a read-only view into the record."""
+
+    header: TraceHeader
+    weights: NDArray[np.generic]  #: [heads, rows, keys]
+    valid: NDArray[np.bool_]  #: [rows, keys], True where the row may see the key
+    contract: ModelContract
+    layer: LayerContract
+    key_id: str
+
+
+def encode(header: TraceHeader, weights: NDArray[np.generic], key_id: str, secret: bytes) -> bytes:
+    """One signed record. ``weights [heads, rows, keys]`` must match the header's shape
+    and dtype; nothing is converted behind the producer's back."""
+    w = np.asarray(weights)
+    want = DTYPES[header.dtype]
+    if w.dtype.newbyteorder("<") != want:
+        raise ValueError(f"weights are {w.dtype}, the header says {header.dtype}")
+    if w.shape != header.shape:
+        raise ValueError(f"weights have shape {w.shape}, the header says {header.shape}")
+    payload = np.ascontiguousarray(w, dtype=want).tobytes()
+    return wire.pack(header.model_dump_json().encode(), payload, key_id, secret)
+
+
+def valid_keys(header: TraceHeader) -> NDArray[np.bool_]:
+    """``[rows, keys]``: what each sampled row may see under the header's mask semantics."""
+    k = header.key_count
+    keys = np.arange(k)
+    visible = np.ones((len(header.query_positions), k), dtype=bool)
+    if header.mask == "causal":
+        visible &= keys[None, :] <= np.asarray(header.query_positions)[:, None]
+    if header.padding:
+        pad = keys < header.padding if header.padding_side == "left" else keys >= k - header.padding
+        visible &= ~pad[None, :]
+    return visible
+
+
+def decode(
+    data: bytes | memoryview,
+    *,
+    keyring: Keyring,
+    scopes: ScopePolicy,
+    contracts: ContractLookup,
+    limits: Limits | None = None,
+) -> Trace:
+    """Verify and validate one record; raise :class:`TraceRejected` otherwise."""
+    limits = limits or Limits()
+    frame = wire.unpack(data, limits.max_record_bytes, limits.max_header_bytes)
+    if frame.key_id is None:
+        raise TraceRejected(RejectReason.UNSIGNED, "record carries no signature")
+    secret = keyring.secret(frame.key_id)
+    if secret is None:
+        raise TraceRejected(RejectReason.UNKNOWN_KEY, f"key id {frame.key_id[:64]!r} is not in the keyring")
+    if not wire.verify(frame, secret):
+        raise TraceRejected(RejectReason.BAD_SIGNATURE, f"HMAC does not verify under key {frame.key_id!r}")
+    header = _parse_header(frame.header)
+    try:
+        weights = _payload(header, frame.payload, limits)
+        if not scopes.permits(header.scope):
+            raise TraceRejected(RejectReason.SCOPE_DENIED,
+                                f"scope {header.scope.tenant}:{header.scope.data_class} is not allowed here")
+        contract, layer = _contract(header, contracts)
+        valid = valid_keys(header)
+        _check_values(header, weights, valid, limits)
+    except TraceRejected as exc:
+        exc.header = header
+        raise
+    return Trace(header, weights, valid, contract, layer, frame.key_id)
+
+
+def _parse_header(raw: memoryview) -> TraceHeader:
+    try:
+        doc: Any = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise TraceRejected(RejectReason.MALFORMED, "header is not JSON") from exc
+    if not isinstance(doc, dict):
+        raise TraceRejected(RejectReason.MALFORMED, "header is not a JSON object")
+    if doc.get("schema_version", 1) != 1:
+        raise TraceRejected(RejectReason.UNKNOWN_SCHEMA_VERSION, f"header schema_version {doc['schema_version']!r}")
+    try:
+        return TraceHeader.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "header"
+        raise TraceRejected(RejectReason.MALFORMED, f"header field {where}: {first['msg']}") from exc
+
+
+def _payload(header: TraceHeader, payload: memoryview, limits: Limits) -> NDArray[np.generic]:
+    h, r, k = header.shape
+    if h > limits.max_heads or r > limits.max_rows or k > limits.max_keys:
+        raise TraceRejected(RejectReason.OVERSIZED, f"shape {[h, r, k]} exceeds limits "
+                            f"{[limits.max_heads, limits.max_rows, limits.max_keys]}")
+    if header.dtype not in limits.dtypes:
+        raise TraceRejected(RejectReason.UNSUPPORTED_DTYPE, f"dtype {header.dtype} is not accepted here")
+    dtype = DTYPES[header.dtype]
+    expected = h * r * k * dtype.itemsize
+    if len(payload) != expected:
+        raise TraceRejected(RejectReason.SHAPE_MISMATCH,
+                            f"payload has {len(payload)} bytes, shape {[h, r, k]} of {header.dtype} needs {expected}")
+    return np.frombuffer(payload, dtype=dtype).reshape(h, r, k)
+
+
+def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelContract, LayerContract]:
+    contract = contracts.get(header.contract_id) if isinstance(contracts, Mapping) else contracts(header.contract_id)
+    if contract is None:
+        raise TraceRejected(RejectReason.UNKNOWN_CONTRACT, f"contract {header.contract_id[:120]} is not known")
+    mismatch = [
+        f"{name} {got!r} != contract {want!r}"
+        for name, got, want in (
+            ("model_id", header.model_id, contract.model_id),
+            ("model_revision", header.model_revision, contract.model_revision),
+            ("mask", header.mask, contract.mask),
+            ("scale", header.scale, contract.scale),
+        )
+        if got != want
+    ]
+    layer = contract.layer(header.layer)
+    if layer is None:
+        mismatch.append(f"layer {header.layer} is not in the contract")
+    if mismatch or layer is None:
+        raise TraceRejected(RejectReason.CONTRACT_MISMATCH, "; ".join(mismatch))
+    if len(set(header.heads)) != len(header.heads):
+        raise TraceRejected(RejectReason.HEAD_MISMATCH, "head ids are not unique")
+    if header.heads != layer.heads:
+        raise TraceRejected(RejectReason.HEAD_MISMATCH, f"heads are not the contract's {len(layer.heads)} heads "
+                            f"of layer {layer.layer} in declared order")
+    if header.kv_groups != layer.kv_groups:
+        raise TraceRejected(RejectReason.KV_GROUP_MISMATCH, f"KV groups differ from the contract's for layer "
+                            f"{layer.layer}")
+    return contract, layer
+
+
+def _check_values(header: TraceHeader, weights: NDArray[np.generic], valid: NDArray[np.bool_], limits: Limits) -> None:
+    fault = value_fault(weights)
+    if fault == "non_finite":
+        raise TraceRejected(RejectReason.NON_FINITE, "weights contain NaN or infinity")
+    if fault == "negative":
+        raise TraceRejected(RejectReason.NEGATIVE, "weights contain negative values")
+    shown, hidden = row_mass(weights, valid)
+    worst_hidden = float(hidden.max())
+    if worst_hidden > limits.masked_mass_tolerance:
+        raise TraceRejected(RejectReason.MASKED_MASS, f"a row puts {worst_hidden:.3g} of its weight on keys its "
+                            f"{header.mask} mask hides (tolerance {limits.masked_mass_tolerance})")
+    tolerance = limits.row_sum_tolerance_float16 if header.dtype == "float16" else limits.row_sum_tolerance_float32
+    seeing = valid.any(axis=-1)[None, :]  # rows with no visible key must carry no weight (checked above)
+    error = np.abs(np.where(seeing, shown - 1.0, 0.0))
+    worst = int(np.argmax(error))
+    if error.flat[worst] > tolerance:
+        raise TraceRejected(RejectReason.ROW_SUM, f"a row sums to {shown.flat[worst]:.4g} over its valid keys "
+                            f"(tolerance {tolerance})")
