@@ -1,0 +1,166 @@
+"""Joining traces to task outcomes by request id, in either arrival order.
+
+Traces wait for their outcome at most ``ttl`` seconds, then leave with outcome
+``missing``; outcomes wait ``ttl`` seconds for traces (a request has a trace per traced
+layer, so an outcome stays to meet them all). The buffer holds at most ``max_entries``
+traces plus outcomes: beyond that the oldest entry is evicted (a trace leaves with
+``missing``), and evictions are counted by cause (``ttl``, ``capacity``).
+
+For at-least-once delivery the buffer tells, per partition, the smallest offset still
+waiting: a consumer must not commit past it, or a crash would lose the wait.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class Joined(Generic[T]):
+    item: T
+    outcome: str
+    partition: int
+    offset: int
+
+
+@dataclass
+class _Entry(Generic[T]):
+    request_id: str
+    partition: int
+    offset: int
+    deadline: float
+    item: T | None = None  # a trace's payload
+    outcome: str | None = None  # an outcome's value
+
+
+class JoinBuffer(Generic[T]):
+    def __init__(self, ttl: float, max_entries: int):
+        if ttl <= 0 or max_entries <= 0:
+            raise ValueError("ttl and max_entries must be positive")
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, _Entry[T]] = OrderedDict()  # insertion order = deadline order
+        self._traces: dict[str, set[int]] = {}
+        self._outcomes: dict[str, int] = {}
+        self._seq = 0
+        self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add_trace(self, request_id: str, item: T, partition: int, offset: int, now: float) -> list[Joined[T]]:
+        """A processed trace; joined at once if its outcome is here."""
+        seq = self._outcomes.get(request_id)
+        if seq is not None:
+            outcome = self._entries[seq].outcome
+            assert outcome is not None
+            return [Joined(item, outcome, partition, offset)]
+        out = self._make_room(now)
+        self._put(_Entry(request_id, partition, offset, now + self.ttl, item=item))
+        self._traces.setdefault(request_id, set()).add(self._seq)
+        return out
+
+    def add_outcome(self, request_id: str, outcome: str, partition: int, offset: int, now: float) -> list[Joined[T]]:
+        """An outcome; joins every trace of the request waiting here, then waits for more."""
+        joined = []
+        for seq in sorted(self._traces.pop(request_id, ())):
+            entry = self._entries.pop(seq)
+            assert entry.item is not None
+            joined.append(Joined(entry.item, outcome, entry.partition, entry.offset))
+        old = self._outcomes.pop(request_id, None)
+        if old is not None:
+            del self._entries[old]
+        joined += self._make_room(now)
+        self._put(_Entry(request_id, partition, offset, now + self.ttl, outcome=outcome))
+        self._outcomes[request_id] = self._seq
+        return joined
+
+    def expire(self, now: float) -> list[Joined[T]]:
+        """Traces whose wait is over leave with outcome ``missing``; old outcomes go."""
+        out = []
+        while self._entries:
+            seq, entry = next(iter(self._entries.items()))
+            if entry.deadline > now:
+                break
+            out += self._evict(seq, "ttl")
+        return out
+
+    def oldest_offsets(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Smallest waiting offset per partition, for traces and for outcomes."""
+        traces: dict[int, int] = {}
+        outcomes: dict[int, int] = {}
+        for entry in self._entries.values():
+            table = traces if entry.item is not None else outcomes
+            if entry.offset < table.get(entry.partition, entry.offset + 1):
+                table[entry.partition] = entry.offset
+        return traces, outcomes
+
+    def drop_partitions(self, partitions: Iterable[int]) -> int:
+        """Forget everything from partitions this consumer no longer owns (their new
+        owner re-reads them from the last commit). Returns how many entries went."""
+        gone = set(partitions)
+        doomed = [seq for seq, e in self._entries.items() if e.partition in gone]
+        for seq in doomed:
+            self._remove(seq)
+        return len(doomed)
+
+    def _put(self, entry: _Entry[T]) -> None:
+        self._seq += 1
+        self._entries[self._seq] = entry
+
+    def _make_room(self, now: float) -> list[Joined[T]]:
+        out = self.expire(now)
+        while len(self._entries) >= self.max_entries:
+            out += self._evict(next(iter(self._entries)), "capacity")
+        return out
+
+    def _evict(self, seq: int, cause: str) -> list[Joined[T]]:
+        entry = self._remove(seq)
+        self.evictions[cause] += 1
+        if entry.item is None:
+            return []
+        return [Joined(entry.item, MISSING, entry.partition, entry.offset)]
+
+    def _remove(self, seq: int) -> _Entry[T]:
+        entry = self._entries.pop(seq)
+        if entry.item is not None:
+            waiting = self._traces.get(entry.request_id)
+            if waiting is not None:
+                waiting.discard(seq)
+                if not waiting:
+                    del self._traces[entry.request_id]
+        elif self._outcomes.get(entry.request_id) == seq:
+            del self._outcomes[entry.request_id]
+        return entry
+
+
+class RecentKeys:
+    """The last ``capacity`` keys seen: a bounded window for de-duplication."""
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def add(self, key: Hashable) -> bool:
+        """Remember ``key``; False if it was already in the window."""
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return False
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        return True

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from monitor.core.join import JoinBuffer, RecentKeys
+
+
+def test_trace_then_outcome_and_outcome_then_trace():
+    buf: JoinBuffer[str] = JoinBuffer(ttl=10, max_entries=100)
+    assert buf.add_trace("r1", "t1", partition=0, offset=5, now=0) == []
+    joined = buf.add_outcome("r1", "failure", partition=0, offset=7, now=1)
+    assert [(j.item, j.outcome, j.offset) for j in joined] == [("t1", "failure", 5)]
+    assert buf.add_outcome("r2", "success", partition=1, offset=3, now=2) == []
+    joined = buf.add_trace("r2", "t2", partition=1, offset=9, now=3)
+    assert [(j.item, j.outcome) for j in joined] == [("t2", "success")]
+    # A second layer of the same request meets the outcome too.
+    assert [j.item for j in buf.add_trace("r2", "t2-layer2", 1, 10, now=4)] == ["t2-layer2"]
+
+
+def test_ttl_gives_missing_and_counts_evictions():
+    buf: JoinBuffer[str] = JoinBuffer(ttl=10, max_entries=100)
+    buf.add_trace("r1", "t1", 0, 1, now=0)
+    buf.add_outcome("r9", "success", 0, 2, now=0)
+    assert buf.expire(now=9.9) == []
+    joined = buf.expire(now=10)
+    assert [(j.item, j.outcome) for j in joined] == [("t1", "missing")]
+    assert len(buf) == 0 and buf.evictions == {"ttl": 2, "capacity": 0}
+
+
+def test_capacity_evicts_the_oldest():
+    buf: JoinBuffer[str] = JoinBuffer(ttl=100, max_entries=2)
+    buf.add_trace("a", "ta", 0, 1, now=0)
+    buf.add_trace("b", "tb", 0, 2, now=1)
+    out = buf.add_trace("c", "tc", 0, 3, now=2)
+    assert [(j.item, j.outcome) for j in out] == [("ta", "missing")]
+    assert len(buf) == 2 and buf.evictions["capacity"] == 1
+
+
+def test_oldest_offsets_and_dropping_partitions():
+    buf: JoinBuffer[str] = JoinBuffer(ttl=100, max_entries=100)
+    buf.add_trace("a", "ta", 0, 7, now=0)
+    buf.add_trace("b", "tb", 0, 4, now=0)
+    buf.add_trace("c", "tc", 1, 9, now=0)
+    buf.add_outcome("z", "success", 1, 11, now=0)
+    assert buf.oldest_offsets() == ({0: 4, 1: 9}, {1: 11})
+    assert buf.drop_partitions([0]) == 2
+    assert buf.oldest_offsets() == ({1: 9}, {1: 11})
+    assert [j.item for j in buf.add_outcome("c", "failure", 1, 12, now=1)] == ["tc"]
+
+
+def test_recent_keys_is_a_bounded_window():
+    seen = RecentKeys(3)
+    assert [seen.add(k) for k in "abca"] == [True, True, True, False]
+    seen.add("d")
+    seen.add("e")
+    assert "b" not in seen and "a" in seen and len(seen) == 3
