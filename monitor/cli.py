@@ -7,6 +7,7 @@ authorization refused) after retries; 130 interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -118,11 +119,101 @@ def contract_derive(
 
 
 @app.command()
-def demo() -> None:
-    """Run the monitor on built-in synthetic traces, with no external service."""
-    typer.echo("attention-monitor demo: not built yet. It will feed synthetic traces of two "
-               "model revisions through the monitor's pipeline, serve /metrics, and print "
-               "per-layer metrics and the anomalies raised.")
+def demo(
+    port: Annotated[int, typer.Option(help="where /metrics is served while the demo runs (0: any free port)")] = 9464,
+    pace: Annotated[float, typer.Option(help="seconds between simulated requests")] = 0.03,
+    requests: Annotated[int, typer.Option(help="requests per model revision")] = 240,
+    keep_serving: Annotated[bool, typer.Option("--keep-serving", help="keep /metrics up after the summary")] = False,
+) -> None:
+    """Run the monitor's pipeline on built-in synthetic traces; no Kafka needed.
+
+    Two revisions of a synthetic model; the second is pinned to the first's reference
+    and develops low head diversity in layer 2. Serves /metrics while it runs, then
+    prints per-layer metrics, the anomalies raised with their outcomes, and the policy.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from monitor.demo import run_demo, summary
+    from monitor.http import MetricsServer
+
+    registry = CollectorRegistry()
+    try:
+        server = MetricsServer(registry, address="127.0.0.1", port=port).start()
+    except OSError as exc:
+        typer.echo(f"error: cannot serve /metrics on port {port}: {exc.strerror}; try --port 0", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    typer.echo(f"attention-monitor demo: serving {server.url}/metrics; simulating {requests} requests per revision")
+    result = run_demo(registry, requests=requests, pace=pace)
+    typer.echo(summary(result, registry))
+    if keep_serving:
+        typer.echo(f"/metrics stays up at {server.url}/metrics; Ctrl-C to stop")
+        import signal
+        import threading
+
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            done.wait()
+    server.stop()
+
+
+def _settings() -> Any:
+    from pydantic import ValidationError
+
+    from monitor.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        typer.echo(f"error: invalid settings:\n{exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+
+
+def _logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+@app.command()
+def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO") -> None:
+    """Consume traces and outcomes from Kafka, detect anomalies, serve /metrics.
+
+    Configured by ATTENTION_MONITOR_* environment variables (see `check-config`).
+    Stops cleanly on SIGTERM/SIGINT after flushing and committing the current batch.
+    Exit codes: 0 stopped cleanly, 1 configuration error, 3 Kafka unreachable, a topic
+    missing or not authorized, or outputs could not be written.
+    """
+    from monitor.errors import ConfigurationError
+    from monitor.service import run_service
+
+    _logging(log_level)
+    settings = _settings()
+    try:
+        code = run_service(settings)
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    raise typer.Exit(code)
+
+
+@app.command("check-config")
+def check_config() -> None:
+    """Print the effective settings (secrets masked) and check they can be used."""
+    from monitor.errors import ConfigurationError
+
+    settings = _settings()
+    for name, value in settings.masked().items():
+        typer.echo(f"{name}={value}")
+    try:
+        settings.keyring()
+        settings.scopes()
+        settings.detector()
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    typer.echo("configuration ok")
 
 
 @app.command()

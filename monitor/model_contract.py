@@ -8,6 +8,7 @@ compacted topic ``attention-contracts`` keyed by that id.
 
 from __future__ import annotations
 
+import json
 import math
 from functools import cached_property
 from typing import Any, Literal
@@ -76,3 +77,52 @@ class ModelContract(BaseModel):
             if layer.layer == number:
                 return layer
         return None
+
+
+class ContractTable:
+    """Model contracts by id, fed from the compacted ``attention-contracts`` topic.
+
+    A record's value is ``{"contract": {...}}`` (or the contract itself) and its key the
+    contract id; the id is recomputed from the content and a record whose id does not
+    match is refused. A tombstone (no value) removes the contract.
+    """
+
+    def __init__(self) -> None:
+        self._contracts: dict[str, ModelContract] = {}
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._contracts)
+
+    def get(self, contract_id: str) -> ModelContract | None:
+        return self._contracts.get(contract_id)
+
+    def add(self, contract: ModelContract) -> None:
+        self._contracts[contract.contract_id] = contract
+
+    def apply(self, key: bytes | None, value: bytes | None) -> str | None:
+        """Apply one record; returns the contract id it added or removed, or None if refused."""
+        if value is None:
+            if key is None:
+                self.refused += 1
+                return None
+            contract_id = key.decode("utf-8", "replace")
+            self._contracts.pop(contract_id, None)
+            return contract_id
+        try:
+            doc = json.loads(value)
+            contract = ModelContract.model_validate(doc.get("contract", doc) if isinstance(doc, dict) else doc)
+        except (ValueError, TypeError):
+            self.refused += 1
+            return None
+        if key is not None and key.decode("utf-8", "replace") != contract.contract_id:
+            self.refused += 1
+            return None
+        self.add(contract)
+        return contract.contract_id
+
+    @staticmethod
+    def record(contract: ModelContract) -> tuple[bytes, bytes]:
+        """The (key, value) to publish a contract with."""
+        value = json.dumps({"contract_id": contract.contract_id, "contract": contract.canonical()})
+        return contract.contract_id.encode(), value.encode()

@@ -16,7 +16,8 @@ Decision
     Each observation is standardised against the reference, ``z = (x − μ) / σ`` with
     ``σ`` floored (``min_sd``) so constant heads do not make noise look huge, and signed
     so that the bad direction is positive (diversity and entropy down, concentration
-    up, sink share either way). A one-sided CUSUM ``S ← max(0, S + z − k)`` with
+    up, sink share either way), and clipped at ``clip`` (3 by default) so that no single
+    heavy-tailed outlier decides alone. A one-sided CUSUM ``S ← max(0, S + z − k)`` with
     ``k = shift / 2`` accumulates evidence; an anomaly is raised when ``S > h`` *and*
     the trace's own effect size ``z ≥ min_effect``, then ``S`` restarts at 0.
 
@@ -53,6 +54,9 @@ class DetectorConfig:
     false_alarm_arl: float = 10_000.0
     shift: float = 1.0
     min_effect: float = 1.0
+    #: standardised observations are clipped to ±clip before they enter the CUSUM, so one
+    #: heavy-tailed outlier cannot cross the threshold alone (real head metrics are not normal)
+    clip: float = 3.0
     min_sd: Mapping[str, float] = field(default_factory=lambda: {
         "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02})
     #: (model, revision) -> the revision whose reference judges it
@@ -217,7 +221,7 @@ class Detector:
         s = self._cusum.get((key, stream))
         if s is None or s.shape != z.shape:
             s = np.zeros_like(z)
-        s = np.maximum(0.0, s + z - self._k)
+        s = np.maximum(0.0, s + np.minimum(z, self.config.clip) - self._k)
         alarms = [(int(i), float(s[i])) for i in np.flatnonzero((s > h) & (z >= self.config.min_effect))]
         for i, _ in alarms:
             s[i] = 0.0

@@ -1,0 +1,161 @@
+"""What the monitor exports to Prometheus. Every metric lives on the registry it is
+given (never the global one), and every label value comes from a closed set.
+
+Domain metrics (prefix ``attention_``), labels ``model``, ``revision``, ``layer`` and,
+at ``detail_level=head``, ``head``; anomaly and outcome counters add ``kind`` and
+``outcome``. Service metrics (prefix ``attention_monitor_``) carry at most ``reason``.
+
+Bounded labels: model and revision values pass a :class:`LabelGuard` — an allow-list
+of model ids when configured, otherwise the first ``max_model_revisions`` distinct
+(model, revision) pairs — and anything else becomes ``other``/``other`` and counts in
+``attention_monitor_label_overflow_total``. Layers and heads come from verified model
+contracts. Series per model revision (see ``docs/metrics.md``):
+``L·(1 + 14 + 11 + 3·13 + 4 + 3 + 12) = 84·L`` at ``layer`` detail, plus ``L·H·3·9 = 27·L·H``
+at ``head`` detail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from monitor.core.detect import KINDS
+
+UNIT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+DIVERSITY_BUCKETS = (0.02, 0.05, *UNIT_BUCKETS[:-1], 1.0)
+EFFECTIVE_HEAD_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 16, 32)
+HEAD_BUCKETS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+PROCESSING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+OUTCOMES = ("success", "failure", "missing")
+OTHER = "other"
+
+
+@dataclass
+class LabelGuard:
+    """Bounds the model/revision label values."""
+
+    max_pairs: int
+    allowlist: frozenset[str] = frozenset()
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+
+    def labels(self, model: str, revision: str) -> tuple[str, str] | None:
+        """The label pair to use, or None when it overflows into ``other``."""
+        if self.allowlist:
+            return (model, revision) if model in self.allowlist and self._admit(model, revision) else None
+        return (model, revision) if self._admit(model, revision) else None
+
+    def _admit(self, model: str, revision: str) -> bool:
+        pair = (model, revision)
+        if pair in self._seen:
+            return True
+        if len(self._seen) >= self.max_pairs:
+            return False
+        self._seen.add(pair)
+        return True
+
+
+class MonitorMetrics:
+    """The monitor's metrics on one registry; the pipeline reports through it."""
+
+    def __init__(self, registry: CollectorRegistry, *, detail_level: str = "layer", max_model_revisions: int = 20,
+                 model_allowlist: Iterable[str] = ()):
+        self.registry = registry
+        self.per_head = detail_level == "head"
+        self.guard = LabelGuard(max_model_revisions, frozenset(model_allowlist))
+        layer = ["model", "revision", "layer"]
+        r = registry
+        self.traces = Counter("attention_traces", "Verified traces processed, per model revision and layer.", layer,
+                              registry=r)
+        self.diversity = Histogram("attention_layer_diversity", "Layer head diversity: 1 - mean pairwise head "
+                                   "similarity (Bhattacharyya), per trace.", layer, buckets=DIVERSITY_BUCKETS,
+                                   registry=r)
+        self.effective_heads = Histogram("attention_layer_effective_heads", "Participation ratio of the head "
+                                         "similarity matrix, per trace (1 = all heads alike, H = all distinct).",
+                                         layer, buckets=EFFECTIVE_HEAD_BUCKETS, registry=r)
+        self.layer_metric = {
+            name: Histogram(f"attention_layer_{name}", f"Mean over heads of the per-head {text}, per trace.", layer,
+                            buckets=UNIT_BUCKETS, registry=r)
+            for name, text in (("entropy", "normalised entropy"), ("concentration", "mean row maximum"),
+                               ("sink_share", "mean weight on the first key"))
+        }
+        self.head_metric = {
+            name: Histogram(f"attention_head_{name}", f"Per-head {name.replace('_', ' ')}, per trace "
+                            "(detail_level=head).", [*layer, "head"], buckets=HEAD_BUCKETS, registry=r)
+            for name in ("entropy", "concentration", "sink_share")
+        } if self.per_head else {}
+        self.anomalies = Counter("attention_anomalies", "Anomalies raised (prompts for investigation, never pruning "
+                                 "commands).", [*layer, "kind"], registry=r)
+        self.trace_outcomes = Counter("attention_trace_outcomes", "Joined traces by task outcome (missing: none "
+                                      "within the join TTL).", [*layer, "outcome"], registry=r)
+        self.anomaly_outcomes = Counter("attention_anomaly_outcomes", "Joined anomalous traces by anomaly kind and "
+                                        "task outcome.", [*layer, "kind", "outcome"], registry=r)
+        s = "attention_monitor_"
+        self.consumed = Counter(f"{s}traces_consumed", "Trace records read from Kafka.", registry=r)
+        self.outcomes_consumed = Counter(f"{s}outcomes_consumed", "Outcome records read from Kafka.", registry=r)
+        self.rejected = Counter(f"{s}traces_rejected", "Trace records refused, by reason.", ["reason"], registry=r)
+        self.outcomes_rejected = Counter(f"{s}outcomes_rejected", "Outcome records refused, by reason.", ["reason"],
+                                         registry=r)
+        self.duplicates = Counter(f"{s}duplicates", "Records skipped as already processed (by trace id).",
+                                  registry=r)
+        self.processing = Histogram(f"{s}processing_seconds", "Time to verify and measure one trace.",
+                                    buckets=PROCESSING_BUCKETS, registry=r)
+        self.lag = Gauge(f"{s}consumer_lag_records", "Records behind the end of the assigned trace partitions.",
+                         registry=r)
+        self.join_entries = Gauge(f"{s}join_entries", "Traces and outcomes waiting in the join buffer.", registry=r)
+        self.join_evictions = Counter(f"{s}join_evictions", "Join buffer entries evicted, by reason (ttl, capacity).",
+                                      ["reason"], registry=r)
+        self.last_trace = Gauge(f"{s}last_trace_timestamp_seconds", "Unix time the last verified trace was "
+                                "processed.", registry=r)
+        self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
+                                registry=r)
+        self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
+        self.commits = Counter(f"{s}commits", "Offset commits after flushed outputs.", registry=r)
+        self.rebalances = Counter(f"{s}rebalances", "Partition assignments received.", registry=r)
+        for reason in ("ttl", "capacity"):
+            self.join_evictions.labels(reason)
+
+    def model_labels(self, model: str, revision: str) -> tuple[str, str]:
+        pair = self.guard.labels(model, revision)
+        if pair is None:
+            self.overflow.inc()
+            return OTHER, OTHER
+        return pair
+
+    def observe_trace(self, labels: tuple[str, str], layer: int, heads: Sequence[str], entropy: Sequence[float],
+                      concentration: Sequence[float], sink_share: Sequence[float], diversity: float,
+                      effective_heads: float) -> None:
+        key = (*labels, str(layer))
+        self.traces.labels(*key).inc()
+        if diversity == diversity:  # NaN (a single head) is not observed
+            self.diversity.labels(*key).observe(diversity)
+        if effective_heads == effective_heads:
+            self.effective_heads.labels(*key).observe(effective_heads)
+        for name, values in (("entropy", entropy), ("concentration", concentration), ("sink_share", sink_share)):
+            finite = [v for v in values if v == v]
+            if finite:
+                self.layer_metric[name].labels(*key).observe(sum(finite) / len(finite))
+            if self.per_head:
+                for head, value in zip(heads, values, strict=True):
+                    if value == value:
+                        self.head_metric[name].labels(*key, head).observe(value)
+
+    def observe_anomaly(self, labels: tuple[str, str], layer: int, kind: str) -> None:
+        self.anomalies.labels(*labels, str(layer), kind).inc()
+
+    def observe_outcome(self, labels: tuple[str, str], layer: int, outcome: str, kinds: Iterable[str]) -> None:
+        self.trace_outcomes.labels(*labels, str(layer), outcome).inc()
+        for kind in set(kinds):
+            self.anomaly_outcomes.labels(*labels, str(layer), kind, outcome).inc()
+
+    def declare(self, labels: tuple[str, str], layer: int) -> None:
+        """Create the zero-valued series of a layer, so rates exist before the first event."""
+        key = (*labels, str(layer))
+        self.traces.labels(*key)
+        for kind in KINDS:
+            self.anomalies.labels(*key, kind)
+            for outcome in OUTCOMES:
+                self.anomaly_outcomes.labels(*key, kind, outcome)
+        for outcome in OUTCOMES:
+            self.trace_outcomes.labels(*key, outcome)

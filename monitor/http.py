@@ -1,0 +1,97 @@
+"""The monitor's HTTP endpoint: ``/metrics`` (optionally TLS and basic auth),
+``/healthz`` (the process runs) and ``/readyz`` (it consumes and can commit)."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import ssl
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+StartResponse = Callable[..., Any]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MetricsServer:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        address: str = "127.0.0.1",
+        port: int = 9464,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        basic_auth: tuple[str, str] | None = None,
+        ready: Callable[[], bool] = lambda: True,
+    ):
+        self._metrics = make_wsgi_app(registry)
+        self._ready = ready
+        self._auth = None
+        if basic_auth is not None:
+            token = base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
+            self._auth = f"Basic {token}".encode()
+        self._server = make_server(address, port, self._app, server_class=_Server, handler_class=_QuietHandler)
+        self.tls = tls_cert is not None
+        if tls_cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(str(tls_cert), str(tls_key) if tls_key else None)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self._server.server_address[0]
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def start(self) -> MetricsServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/healthz":
+            return _text(start_response, "200 OK", "ok\n")
+        if path == "/readyz":
+            if self._ready():
+                return _text(start_response, "200 OK", "ready\n")
+            return _text(start_response, "503 Service Unavailable", "not ready\n")
+        if path not in ("/metrics", "/"):
+            return _text(start_response, "404 Not Found", "not found\n")
+        if self._auth is not None:
+            given = environ.get("HTTP_AUTHORIZATION", "").encode()
+            if not hmac.compare_digest(given, self._auth):
+                start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="attention-monitor"'),
+                                                    ("Content-Type", "text/plain")])
+                return [b"unauthorized\n"]
+        environ["PATH_INFO"] = "/metrics"
+        result: Iterable[bytes] = self._metrics(environ, start_response)
+        return result
+
+
+def _text(start_response: StartResponse, status: str, body: str) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+    return [body.encode()]

@@ -1,0 +1,185 @@
+"""The run loop: poll a batch, process it, flush its outputs, commit, repeat.
+
+Delivery is at-least-once: offsets are committed only after the batch's outputs are
+flushed, and never past a record still waiting in the join buffer. Re-processing is
+idempotent: traces are de-duplicated by trace id within a bounded window, and when a
+partition is (re)assigned the tail of the output topics is read back so outputs
+already written for it are not written again.
+
+SIGTERM or SIGINT ends the loop after the current batch: outputs are flushed, offsets
+committed, reference state saved and clients closed, then the process exits 0.
+Exit codes: 0 stopped cleanly; 1 configuration error; 3 Kafka unreachable, a topic
+missing or not authorized, or writing outputs failed after retries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from monitor.broker.consumer import ContractReader, GroupConsumer, OutputProducer, emitted_sources
+from monitor.core.detect import Detector
+from monitor.errors import InfrastructureError
+from monitor.exporter import MonitorMetrics
+from monitor.http import MetricsServer
+from monitor.model_contract import ContractTable
+from monitor.pipeline import Pipeline, Topics
+from monitor.settings import Settings
+
+log = logging.getLogger(__name__)
+EXIT_OK, EXIT_CONFIG, EXIT_INFRA = 0, 1, 3
+STATE_EVERY_S = 30.0
+RETRIES = 5
+
+
+class Service:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None):
+        self.settings = settings
+        self.registry = registry or CollectorRegistry()
+        self.topics = Topics(settings.traces_topic, settings.outcomes_topic, settings.contracts_topic,
+                             settings.anomalies_topic, settings.dead_letter_topic)
+        self.metrics = MonitorMetrics(self.registry, detail_level=settings.detail_level,
+                                      max_model_revisions=settings.max_model_revisions,
+                                      model_allowlist=settings.model_allowlist)
+        self.detector = Detector(settings.detector())
+        self.contracts = ContractTable()
+        self.pipeline = Pipeline(
+            keyring=settings.keyring(), scopes=settings.scopes(), contracts=self.contracts, detector=self.detector,
+            metrics=self.metrics, limits=settings.limits(), topics=self.topics, join_ttl=settings.join_ttl_s,
+            join_max_entries=settings.join_max_entries, dedupe_window=settings.dedupe_window)
+        self.stopping = threading.Event()
+        self.ready = threading.Event()
+        self._state_path = _state_path(settings)
+        self._saved_at = time.monotonic()
+
+    def request_stop(self, *_: Any) -> None:
+        self.stopping.set()
+
+    def run(self) -> int:
+        s = self.settings
+        server = MetricsServer(
+            self.registry, address=s.metrics_address, port=s.metrics_port, tls_cert=s.metrics_tls_cert,
+            tls_key=s.metrics_tls_key, ready=self.ready.is_set,
+            basic_auth=(s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value())
+            if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None,
+        ).start()
+        log.info("serving %s/metrics", server.url)
+        self._load_state()
+        kafka = s.kafka_config()
+        consumer = reader = producer = None
+        try:
+            reader = ContractReader(kafka, self.topics.contracts, self.contracts)
+            log.info("%d model contracts loaded", reader.load(s.startup_timeout_s))
+            producer = OutputProducer(kafka)
+            consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
+                                     max_records=s.batch_max_records,
+                                     max_partition_fetch_bytes=s.max_record_bytes + 65_536)
+            consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
+                                   self.topics.dead_letter])
+            consumer.subscribe()
+            self._loop(consumer, reader, producer)
+            return EXIT_OK
+        except InfrastructureError as exc:
+            log.error("stopping: %s", exc)
+            return EXIT_INFRA
+        finally:
+            self.ready.clear()
+            self._save_state()
+            for client in (consumer, reader, producer):
+                if client is not None:
+                    client.close()
+            server.stop()
+
+    def _loop(self, consumer: GroupConsumer, reader: ContractReader, producer: OutputProducer) -> None:
+        s = self.settings
+        while not self.stopping.is_set():
+            records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
+            self._apply_rebalance(consumer)
+            reader.refresh()
+            self.metrics.contracts.set(len(self.contracts))
+            outputs = []
+            for record in records:
+                outputs += self.pipeline.process(record)
+                consumer.advance(record)
+            outputs += self.pipeline.expire()
+            producer.send(outputs)
+            _retry(producer.flush, "flush outputs")
+            if consumer.positions:
+                _retry(lambda: consumer.commit(self.pipeline.committable(consumer.positions)), "commit")
+                self.metrics.commits.inc()
+            self.metrics.lag.set(consumer.lag(self.topics.traces))
+            self.ready.set()
+            if time.monotonic() - self._saved_at > STATE_EVERY_S:
+                self._save_state()
+        log.info("stop requested: last batch flushed and committed")
+
+    def _apply_rebalance(self, consumer: GroupConsumer) -> None:
+        revoked, assigned = consumer.changes.take()
+        if revoked:
+            gone = revoked - assigned
+            consumer.forget(gone)
+            self.pipeline.drop_partitions({p for t, p in gone if t == self.topics.traces})
+        if assigned:
+            self.metrics.rebalances.inc()
+            traces = {tp for tp in assigned if tp[0] == self.topics.traces}
+            committed = consumer.committed(traces)
+            found = emitted_sources(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
+                                    traces | {tp for tp in assigned if tp[0] == self.topics.outcomes},
+                                    committed, self.settings.dedupe_window)
+            self.pipeline.already_emitted |= found
+            log.info("assigned %s; %d outputs already written for them", sorted(assigned), len(found))
+
+    def _load_state(self) -> None:
+        if self._state_path is None or not self._state_path.exists():
+            return
+        try:
+            self.detector.merge_state(json.loads(self._state_path.read_text()))
+            log.info("reference state loaded from %s", self._state_path)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable reference state %s: %s", self._state_path, exc)
+
+    def _save_state(self) -> None:
+        self._saved_at = time.monotonic()
+        if self._state_path is None:
+            return
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.detector.state_dict()))
+        tmp.replace(self._state_path)
+
+
+def _state_path(settings: Settings) -> Path | None:
+    if settings.state_dir is None:
+        return None
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{settings.group_id}-{settings.client_id}-{socket.gethostname()}".replace(os.sep, "_")
+    return settings.state_dir / f"reference-{name}.json"
+
+
+def _retry(action: Any, what: str) -> Any:
+    delay = 0.2
+    for attempt in range(RETRIES):
+        try:
+            return action()
+        except InfrastructureError as exc:
+            if not exc.retriable or attempt == RETRIES - 1:
+                raise
+            log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def run_service(settings: Settings) -> int:
+    service = Service(settings)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, service.request_stop)
+    return service.run()

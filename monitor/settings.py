@@ -1,0 +1,142 @@
+"""Settings, built once at the edge from ``ATTENTION_MONITOR_*`` environment variables
+(or a ``.env`` file) and handed down as plain values. Secrets are ``SecretStr``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from monitor.access import Keyring, ScopePolicy
+from monitor.codec import Limits
+from monitor.core.detect import DetectorConfig
+from monitor.errors import ConfigurationError
+
+CommaList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ATTENTION_MONITOR_", env_file=".env", frozen=True,
+                                      extra="ignore")
+
+    # Kafka
+    bootstrap_servers: str = Field("127.0.0.1:9092", description="comma-separated host:port")
+    security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    group_id: str = "attention-monitor"
+    client_id: str = "attention-monitor"
+    traces_topic: str = "attention-traces"
+    outcomes_topic: str = "task-outcomes"
+    contracts_topic: str = "attention-contracts"
+    anomalies_topic: str = "attention-anomalies"
+    dead_letter_topic: str = "attention-dead-letter"
+    batch_max_records: int = Field(500, gt=0)
+    poll_timeout_ms: int = Field(500, gt=0)
+    startup_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the broker at start")
+
+    # Access
+    keyring_file: Path | None = None
+    keyring_json: SecretStr | None = Field(None, description='inline keyring: {"key-id": "secret"}')
+    allowed_scopes: CommaList = Field(default_factory=lambda: ["*:*"], description="tenant:data_class, comma-separated")
+    max_record_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    max_heads: int = Field(256, gt=0)
+    max_rows: int = Field(1024, gt=0)
+    max_keys: int = Field(262_144, gt=0)
+
+    # Detection and join
+    reference_traces: int = Field(200, gt=1)
+    false_alarm_arl: float = Field(10_000.0, gt=1)
+    min_effect: float = Field(1.0, ge=0)
+    reference_pins: CommaList = Field(default_factory=list, description="model@revision=reference_revision, ...")
+    join_ttl_s: float = Field(30.0, gt=0)
+    join_max_entries: int = Field(200_000, gt=0)
+    dedupe_window: int = Field(100_000, gt=0)
+    state_dir: Path | None = Field(None, description="where reference state is saved and merged from")
+
+    # Export
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = Field(9464, ge=0, le=65535)
+    metrics_tls_cert: Path | None = None
+    metrics_tls_key: Path | None = None
+    metrics_basic_auth_user: str | None = None
+    metrics_basic_auth_password: SecretStr | None = None
+    detail_level: Literal["layer", "head"] = "layer"
+    max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
+    model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")
+
+    @field_validator("allowed_scopes", "reference_pins", "model_allowlist", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> Settings:
+        if (self.metrics_tls_cert is None) != (self.metrics_tls_key is None):
+            raise ValueError("metrics_tls_cert and metrics_tls_key go together")
+        if (self.metrics_basic_auth_user is None) != (self.metrics_basic_auth_password is None):
+            raise ValueError("metrics_basic_auth_user and metrics_basic_auth_password go together")
+        if self.security_protocol.startswith("SASL") and not (self.sasl_username and self.sasl_password):
+            raise ValueError("SASL needs sasl_username and sasl_password")
+        return self
+
+    # --- derived plain values -----------------------------------------------------
+
+    def keyring(self) -> Keyring:
+        if self.keyring_json is not None:
+            try:
+                doc = json.loads(self.keyring_json.get_secret_value())
+            except json.JSONDecodeError as exc:
+                raise ConfigurationError("keyring_json is not JSON") from exc
+            if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+                raise ConfigurationError("keyring_json must be an object of key id to secret string")
+            return Keyring({k: v.encode() for k, v in doc.items()})
+        if self.keyring_file is not None:
+            return Keyring.from_file(self.keyring_file)
+        raise ConfigurationError("no keyring: set ATTENTION_MONITOR_KEYRING_FILE or ATTENTION_MONITOR_KEYRING_JSON")
+
+    def scopes(self) -> ScopePolicy:
+        return ScopePolicy.parse(self.allowed_scopes)
+
+    def limits(self) -> Limits:
+        return Limits(max_record_bytes=self.max_record_bytes, max_heads=self.max_heads, max_rows=self.max_rows,
+                      max_keys=self.max_keys)
+
+    def detector(self) -> DetectorConfig:
+        pins = {}
+        for entry in self.reference_pins:
+            target, sep, reference = entry.partition("=")
+            model, at, revision = target.rpartition("@")
+            if not sep or not at or not model or not revision or not reference:
+                raise ConfigurationError(f"reference pin {entry!r} must be model@revision=reference_revision")
+            pins[(model, revision)] = reference
+        return DetectorConfig(reference_traces=self.reference_traces, false_alarm_arl=self.false_alarm_arl,
+                              min_effect=self.min_effect, pins=pins)
+
+    def kafka_config(self) -> dict[str, Any]:
+        """Connection keyword arguments for kafka-python clients."""
+        config: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers.split(","),
+                                  "security_protocol": self.security_protocol, "client_id": self.client_id}
+        if self.security_protocol.startswith("SASL"):
+            assert self.sasl_password is not None
+            config.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                          sasl_plain_password=self.sasl_password.get_secret_value())
+        return config
+
+    def masked(self) -> dict[str, Any]:
+        """Every setting, secrets shown as ``**********``."""
+        out = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                value = "**********"
+            elif isinstance(value, Path):
+                value = str(value)
+            out[name] = value
+        return out
