@@ -24,13 +24,15 @@ def free_port() -> int:
 class ManagedProcess:
     """Runs ``argv`` with stdout and stderr in ``log_path``."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, cwd: Path | None = None):
+    def __init__(self, name: str, argv: list[str], log_path: Path, cwd: Path | None = None,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+            argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
 
     @property

@@ -37,7 +37,6 @@ from monitor.settings import Settings
 
 log = logging.getLogger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_INFRA = 0, 1, 3
-STATE_EVERY_S = 30.0
 RETRIES = 5
 
 
@@ -118,7 +117,7 @@ class Service:
                 self.metrics.commits.inc()
             self.metrics.lag.set(consumer.lag(self.topics.traces))
             self.ready.set()
-            if time.monotonic() - self._saved_at > STATE_EVERY_S:
+            if time.monotonic() - self._saved_at >= s.state_save_interval_s:
                 self._save_state()
         log.info("stop requested: last batch flushed and committed")
 

@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     join_ttl_s: float = Field(30.0, gt=0)
     join_max_entries: int = Field(200_000, gt=0)
     dedupe_window: int = Field(100_000, gt=0)
-    state_dir: Path | None = Field(None, description="where reference state is saved and merged from")
+    state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
+    state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
 
     # Export
     metrics_address: str = "127.0.0.1"

@@ -1,0 +1,146 @@
+"""The monitor service against the real broker: anomaly records, metrics, joins in
+either order, poison records, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from kafka import KafkaAdminClient
+
+from devstack.wait import wait_for
+from tests.factories import make_record, make_trace
+from tests.service.harness import (
+    Monitor,
+    OutputReader,
+    make_topics,
+    monitor_env,
+    publish_contracts,
+    send_outcomes,
+    send_raw,
+    send_traces,
+    series,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+def healthy(n, layer, start=0):
+    return [make_trace(1000 + start + i, layer=layer, keys=64, rows=6) for i in range(n)]
+
+
+def collapsed(n, layer, start=0):
+    return [make_trace(5000 + start + i, layer=layer, keys=64, rows=6, collapse=0.95) for i in range(n)]
+
+
+@pytest.fixture
+def stack(kafka_broker, make_topic, unique_name, tmp_path):
+    topics = make_topics(make_topic)
+    publish_contracts(kafka_broker.bootstrap, topics)
+    env = monitor_env(kafka_broker.bootstrap, topics, unique_name("group"), tmp_path)
+    started = []
+
+    def start(name="monitor", **overrides):
+        merged = {**env, **{f"ATTENTION_MONITOR_{k.upper()}": str(v) for k, v in overrides.items()}}
+        monitor = Monitor(merged, tmp_path / f"{name}.log", name)
+        started.append(monitor)
+        monitor.wait_ready()
+        return monitor
+
+    reader = OutputReader(kafka_broker.bootstrap, topics.anomalies, topics.dead_letter)
+    yield topics, start, reader
+    reader.close()
+    for monitor in started:
+        monitor.process.stop()
+
+
+def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack):
+    topics, start, reader = stack
+    bootstrap = kafka_broker.bootstrap
+    monitor = start()
+
+    reference = healthy(40, 0) + healthy(40, 1)
+    send_traces(bootstrap, topics.traces, reference)
+    send_outcomes(bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in reference})
+    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") >= 80, timeout=60,
+             what="reference traces consumed")
+
+    early, late, silent = collapsed(6, 1), collapsed(6, 1, start=100), collapsed(1, 1, start=200)
+    send_outcomes(bootstrap, topics.outcomes, {h.request_id: "failure" for h, _ in early})  # outcome first
+    wait_for(lambda: monitor.value("attention_monitor_outcomes_consumed_total") >= 86, timeout=30,
+             what="early outcomes consumed")
+    send_traces(bootstrap, topics.traces, early + late + silent)
+    send_raw(bootstrap, topics.traces, [(b"poison-1", b"\x00garbage"), (b"poison-2", make_record(9)[:-1] + b"\x00")])
+    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") >= 95, timeout=30,
+             what="collapsed traces consumed")
+    send_outcomes(bootstrap, topics.outcomes, {h.request_id: "failure" for h, _ in late})  # trace first
+
+    collapsed_ids = {h.trace_id: h.request_id for h, _ in early + late + silent}
+    records = reader.wait(lambda r: {a["trace_id"] for a in r[topics.anomalies] if a["kind"] == "low_diversity"}
+                          >= {h.trace_id for h, _ in early + late + silent} and len(r[topics.dead_letter]) >= 2,
+                          timeout=60, what="low-diversity records for every collapsed trace, and two dead letters")
+    reader.settle()
+    low = [a for a in reader.records[topics.anomalies] if a["kind"] == "low_diversity"]
+    assert all(a["trace_id"] in collapsed_ids and a["layer"] == 1 for a in low)
+    by_trace = {a["trace_id"]: a for a in low}
+    assert len(by_trace) == len(low), "an anomaly record was written twice"
+    for header, _ in early + late:
+        assert by_trace[header.trace_id]["outcome"] == "failure"
+    assert by_trace[silent[0][0].trace_id]["outcome"] == "missing"  # after the 5 s join TTL
+    record = low[0]
+    assert record["model_id"] == "test-model" and record["model_revision"] == "rev-1"
+    assert record["contract_id"].startswith("attention-model-contract@sha256:")
+    assert record["value"] < record["reference"] and record["score"] > 0 and record["heads"]
+    assert "pruning" in record["policy"]["alerts"] and "ablation" in record["policy"]["specialization"]
+    assert "weights" not in record
+    reasons = sorted(d["reason"] for d in records[topics.dead_letter])
+    assert reasons == ["bad_signature", "malformed"]
+
+    m = monitor.metrics()
+    assert m["attention_monitor_traces_consumed_total"] == 95
+    assert m["attention_monitor_traces_rejected_total{reason=malformed}"] == 1
+    assert m["attention_monitor_traces_rejected_total{reason=bad_signature}"] == 1
+    layer1 = {"model": "test-model", "revision": "rev-1", "layer": 1}
+    assert m[series("attention_traces_total", **layer1)] == 53
+    assert m[series("attention_anomalies_total", kind="low_diversity", **layer1)] == len(low)
+    assert m[series("attention_anomaly_outcomes_total", kind="low_diversity", outcome="failure", **layer1)] == 12
+    assert m[series("attention_anomaly_outcomes_total", kind="low_diversity", outcome="missing", **layer1)] == 1
+    assert m[series("attention_trace_outcomes_total", outcome="success", **layer1)] == 40
+    assert m[series("attention_layer_diversity_count", **layer1)] == 53
+    assert m["attention_monitor_last_trace_timestamp_seconds"] > 1.7e9
+
+
+def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_topic):
+    topics, start, reader = stack
+    monitor = start()
+    traces = healthy(5, 0)
+    # The same key sends poison and valid records to the same partition, poison first.
+    key = traces[0][0].request_id.encode()
+    send_raw(kafka_broker.bootstrap, topics.traces, [(key, b"ATRC\x01\x00\x00\xff\xff\xff\xff"), (key, b"")])
+    send_traces(kafka_broker.bootstrap, topics.traces, traces)
+    processed = series("attention_traces_total", layer=0, model="test-model", revision="rev-1")
+    wait_for(lambda: monitor.value(processed) == 5, timeout=30, what="the valid traces behind the poison processed")
+    reader.wait(lambda r: len(r[topics.dead_letter]) == 2, timeout=20, what="both poison records dead-lettered")
+
+
+def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack):
+    topics, start, _ = stack
+    monitor = start()
+    traces = healthy(20, 0)
+    send_traces(kafka_broker.bootstrap, topics.traces, traces)
+    send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
+    # Offsets are held back while a trace waits for its outcome; once all have joined,
+    # everything read is committable.
+    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") == 20
+             and monitor.value("attention_monitor_join_entries") == 20, timeout=30,
+             what="traces consumed and joined (20 outcomes left waiting for further layers)")
+    monitor.process.proc.send_signal(signal.SIGTERM)
+    assert monitor.process.proc.wait(30) == 0
+    group = monitor.env["ATTENTION_MONITOR_GROUP_ID"]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    try:
+        committed = admin.list_group_offsets(group)[group]
+    finally:
+        admin.close()
+    total = sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces)
+    assert total == 20, committed
