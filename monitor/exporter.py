@@ -112,7 +112,8 @@ class MonitorMetrics:
                                 registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
         self.commits = Counter(f"{s}commits", "Offset commits after flushed outputs.", registry=r)
-        self.rebalances = Counter(f"{s}rebalances", "Partition assignments received.", registry=r)
+        self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
+                                  registry=r)
         for reason in ("ttl", "capacity"):
             self.join_evictions.labels(reason)
 

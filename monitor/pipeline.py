@@ -200,10 +200,14 @@ class Pipeline:
         return safe
 
     def drop_partitions(self, partitions: Iterable[int]) -> None:
-        """Forget waiting state of partitions now owned elsewhere."""
+        """Forget waiting state of partitions now owned elsewhere. Their traces also
+        leave the de-duplication window: should the partitions come back, the traces
+        are re-read from the last commit and must be processed again."""
         dropped = self.join.drop_partitions(partitions)
+        for waiting in dropped:
+            self.recent.discard(("trace", waiting.trace["trace_id"]))
         if dropped:
-            log.info("dropped %d join entries of revoked partitions", dropped)
+            log.info("dropped %d waiting traces of revoked partitions", len(dropped))
         self._sync_join_gauges()
 
 

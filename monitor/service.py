@@ -58,6 +58,8 @@ class Service:
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self._state_path = _state_path(settings)
+        self._owned: set[tuple[str, int]] = set()
+        self._parked: set[tuple[str, int]] = set()
         self._saved_at = time.monotonic()
 
     def request_stop(self, *_: Any) -> None:
@@ -122,20 +124,28 @@ class Service:
         log.info("stop requested: last batch flushed and committed")
 
     def _apply_rebalance(self, consumer: GroupConsumer) -> None:
+        """Act on assignment changes between polls. A revocation only parks the
+        partitions: the rebalance is complete when the new assignment arrives, and only
+        then is the state of partitions that went elsewhere dropped."""
         revoked, assigned = consumer.changes.take()
-        if revoked:
-            gone = revoked - assigned
-            consumer.forget(gone)
-            self.pipeline.drop_partitions({p for t, p in gone if t == self.topics.traces})
-        if assigned:
+        if revoked or assigned:
             self.metrics.rebalances.inc()
-            traces = {tp for tp in assigned if tp[0] == self.topics.traces}
-            committed = consumer.committed(traces)
+        self._parked |= revoked
+        if not assigned:
+            return
+        lost = self._parked - assigned
+        kept = assigned & self._owned
+        new = assigned - self._owned
+        self._parked, self._owned = set(), set(assigned)
+        consumer.forget(lost)
+        self.pipeline.drop_partitions({p for t, p in lost if t == self.topics.traces})
+        consumer.seek({tp: consumer.positions[tp] for tp in kept if tp in consumer.positions})
+        if new:
+            committed = consumer.committed(new)
             found = emitted_sources(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
-                                    traces | {tp for tp in assigned if tp[0] == self.topics.outcomes},
-                                    committed, self.settings.dedupe_window)
+                                    new, committed, self.settings.dedupe_window)
             self.pipeline.already_emitted |= found
-            log.info("assigned %s; %d outputs already written for them", sorted(assigned), len(found))
+            log.info("assigned %s; %d outputs already written for them", sorted(new), len(found))
 
     def _load_state(self) -> None:
         if self._state_path is None or not self._state_path.exists():

@@ -18,6 +18,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import (
     CommitFailedError,
     IllegalGenerationError,
@@ -71,6 +72,11 @@ class GroupConsumer:
         try:
             self._consumer = KafkaConsumer(
                 group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+                # Range assigns partition i of every subscribed topic to the same member:
+                # a trace and its outcome (same key, same partition number) meet in one
+                # instance. (The sticky assignors do not co-partition.) Range is eager:
+                # every rebalance revokes everything, then assigns the full new set.
+                partition_assignment_strategy=(RangePartitionAssignor,),
                 max_poll_records=max_records, max_partition_fetch_bytes=max_partition_fetch_bytes,
                 fetch_max_bytes=max(52_428_800, max_partition_fetch_bytes), **kafka_config)
         except KafkaError as exc:
@@ -99,6 +105,15 @@ class GroupConsumer:
         records = [Record(r.topic, r.partition, r.offset, r.key, r.value)
                    for tp in sorted(batches, key=lambda t: (t.topic, t.partition)) for r in batches[tp]]
         return records
+
+    def seek(self, positions: dict[TP, int]) -> None:
+        """Resume partitions kept across a rebalance where this instance left off
+        (an eager rebalance would otherwise rewind them to the last commit)."""
+        for (topic, partition), offset in positions.items():
+            try:
+                self._consumer.seek(TopicPartition(topic, partition), offset)
+            except (KafkaError, AssertionError) as exc:
+                log.warning("cannot resume %s/%d at %d: %s", topic, partition, offset, exc)
 
     def advance(self, record: Record) -> None:
         self.positions[(record.topic, record.partition)] = record.offset + 1

@@ -101,14 +101,12 @@ class JoinBuffer(Generic[T]):
                 table[entry.partition] = entry.offset
         return traces, outcomes
 
-    def drop_partitions(self, partitions: Iterable[int]) -> int:
+    def drop_partitions(self, partitions: Iterable[int]) -> list[T]:
         """Forget everything from partitions this consumer no longer owns (their new
-        owner re-reads them from the last commit). Returns how many entries went."""
+        owner re-reads them from the last commit). Returns the dropped traces."""
         gone = set(partitions)
         doomed = [seq for seq, e in self._entries.items() if e.partition in gone]
-        for seq in doomed:
-            self._remove(seq)
-        return len(doomed)
+        return [item for item in (self._remove(seq).item for seq in doomed) if item is not None]
 
     def _put(self, entry: _Entry[T]) -> None:
         self._seq += 1
@@ -154,6 +152,9 @@ class RecentKeys:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._keys
+
+    def discard(self, key: Hashable) -> None:
+        self._keys.pop(key, None)
 
     def add(self, key: Hashable) -> bool:
         """Remember ``key``; False if it was already in the window."""

@@ -97,7 +97,8 @@ def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack):
     assert reasons == ["bad_signature", "malformed"]
 
     m = monitor.metrics()
-    assert m["attention_monitor_traces_consumed_total"] == 95
+    # Records read = distinct traces + re-deliveries caught by the trace-id window.
+    assert m["attention_monitor_traces_consumed_total"] - m["attention_monitor_duplicates_total"] == 95, m
     assert m["attention_monitor_traces_rejected_total{reason=malformed}"] == 1
     assert m["attention_monitor_traces_rejected_total{reason=bad_signature}"] == 1
     layer1 = {"model": "test-model", "revision": "rev-1", "layer": 1}
@@ -131,9 +132,9 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack):
     send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
     # Offsets are held back while a trace waits for its outcome; once all have joined,
     # everything read is committable.
-    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") == 20
-             and monitor.value("attention_monitor_join_entries") == 20, timeout=30,
-             what="traces consumed and joined (20 outcomes left waiting for further layers)")
+    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
+                    revision="rev-1")
+    wait_for(lambda: monitor.value(joined) == 20, timeout=30, what="all 20 traces joined to their outcome")
     monitor.process.proc.send_signal(signal.SIGTERM)
     assert monitor.process.proc.wait(30) == 0
     group = monitor.env["ATTENTION_MONITOR_GROUP_ID"]
