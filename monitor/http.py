@@ -51,7 +51,10 @@ class MetricsServer:
         if tls_cert is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(str(tls_cert), str(tls_key) if tls_key else None)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            # The handshake runs on first read, in the request's thread, so a silent
+            # client cannot hold up the accepting thread.
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
 
     @property

@@ -1,0 +1,53 @@
+"""check-config and the embedded demo."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from typer.testing import CliRunner
+
+from monitor.cli import app
+from monitor.demo import run_demo, summary
+
+runner = CliRunner()
+
+
+def test_check_config_masks_secrets(monkeypatch):
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
+    monkeypatch.setenv("ATTENTION_MONITOR_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("ATTENTION_MONITOR_SASL_USERNAME", "monitor")
+    monkeypatch.setenv("ATTENTION_MONITOR_SASL_PASSWORD", "hunter2-password")
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 0, result.output
+    assert "a-very-secret-value" not in result.output and "hunter2" not in result.output
+    assert "sasl_password=**********" in result.output and "configuration ok" in result.output
+
+
+def test_check_config_reports_bad_settings(monkeypatch):
+    monkeypatch.setenv("ATTENTION_MONITOR_REFERENCE_PINS", "no-at-sign")
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 1 and "model@revision=reference_revision" in result.output
+    monkeypatch.setenv("ATTENTION_MONITOR_DETAIL_LEVEL", "everything")
+    assert runner.invoke(app, ["check-config"]).exit_code == 1
+
+
+def test_demo_raises_low_diversity_on_the_drifting_layer_only_in_the_second_revision():
+    registry = CollectorRegistry()
+    result = run_demo(registry, requests=160, reference_traces=100)
+    low = [a for a in result.anomalies if a["kind"] == "low_diversity"]
+    drifting = [a for a in low if a["model_revision"] == "rev-2026-11-15" and a["layer"] == 2]
+    assert len(drifting) >= 20 and len(drifting) >= 0.9 * len(low)
+    assert {a["outcome"] for a in drifting} <= {"success", "failure", "missing"}
+    assert {d["reason"] for d in result.dead_letters} == {"unknown_key"}
+    text = summary(result, registry)
+    assert "low_diversity" in text and "not an automatic pruning command" in text
+    assert "controlled head ablation" in text
+    value = registry.get_sample_value("attention_anomalies_total", {"model": "demo-lm", "revision": "rev-2026-11-15",
+                                                                   "layer": "2", "kind": "low_diversity"})
+    assert value == len(drifting)
+
+
+def test_demo_command_finishes_and_exits_zero():
+    result = runner.invoke(app, ["demo", "--port", "0", "--pace", "0", "--requests", "130"])
+    assert result.exit_code == 0, result.output
+    assert "serving http://127.0.0.1:" in result.output and "Anomalies raised" in result.output

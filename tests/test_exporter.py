@@ -1,0 +1,89 @@
+"""Bounded labels, and /metrics with TLS and basic auth."""
+
+from __future__ import annotations
+
+import base64
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from monitor.exporter import MonitorMetrics
+from monitor.http import MetricsServer
+
+
+def test_model_revisions_beyond_the_cap_go_to_other_and_are_counted():
+    registry = CollectorRegistry()
+    metrics = MonitorMetrics(registry, max_model_revisions=2)
+    assert metrics.model_labels("m", "r1") == ("m", "r1")
+    assert metrics.model_labels("m", "r2") == ("m", "r2")
+    for i in range(50):  # a flood of invented model ids
+        assert metrics.model_labels(f"invented-{i}", "x") == ("other", "other")
+    assert metrics.model_labels("m", "r1") == ("m", "r1")
+    assert registry.get_sample_value("attention_monitor_label_overflow_total") == 50
+
+
+def test_allowlist_keeps_only_named_models():
+    metrics = MonitorMetrics(CollectorRegistry(), model_allowlist=["prod-lm"])
+    assert metrics.model_labels("prod-lm", "r") == ("prod-lm", "r")
+    assert metrics.model_labels("someone-else", "r") == ("other", "other")
+
+
+def test_head_series_only_at_head_detail():
+    for level, expected in (("layer", None), ("head", 1.0)):
+        registry = CollectorRegistry()
+        metrics = MonitorMetrics(registry, detail_level=level)
+        metrics.observe_trace(("m", "r"), 0, ["h0", "h1"], [0.5, 0.6], [0.4, 0.3], [0.1, 0.2], 0.7, 1.8)
+        labels = {"model": "m", "revision": "r", "layer": "0", "head": "h0"}
+        assert registry.get_sample_value("attention_head_entropy_count", labels) == expected
+        assert registry.get_sample_value("attention_layer_entropy_sum", {"model": "m", "revision": "r",
+                                                                         "layer": "0"}) == pytest.approx(0.55)
+
+
+def _cert(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def _get(url, context=None, auth=None):
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    with urllib.request.urlopen(request, timeout=5, context=context) as resp:
+        return resp.status, resp.read().decode()
+
+
+def test_metrics_over_tls_with_basic_auth(tmp_path):
+    cert, key = _cert(tmp_path)
+    registry = CollectorRegistry()
+    MonitorMetrics(registry)
+    ready = {"now": False}
+    server = MetricsServer(registry, port=0, tls_cert=cert, tls_key=key, basic_auth=("prom", "s3cret"),
+                           ready=lambda: ready["now"]).start()
+    context = ssl.create_default_context(cafile=str(cert))
+    try:
+        assert server.url.startswith("https://")
+        status, body = _get(f"{server.url}/metrics", context, auth="prom:s3cret")
+        assert status == 200 and "attention_monitor_traces_consumed_total" in body
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            _get(f"{server.url}/metrics", context, auth="prom:wrong")
+        assert denied.value.code == 401
+        with pytest.raises(urllib.error.HTTPError):
+            _get(f"{server.url}/metrics", context)
+        assert _get(f"{server.url}/healthz", context) == (200, "ok\n")  # probes need no credentials
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            _get(f"{server.url}/readyz", context)
+        assert not_ready.value.code == 503
+        ready["now"] = True
+        assert _get(f"{server.url}/readyz", context)[0] == 200
+        with pytest.raises(OSError):
+            _get(f"{server.url.replace('https', 'http')}/metrics")  # plaintext is refused
+        assert _get(f"{server.url}/healthz", context) == (200, "ok\n")  # and the server carries on
+    finally:
+        server.stop()
