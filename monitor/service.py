@@ -21,6 +21,8 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,17 @@ from monitor.errors import InfrastructureError
 from monitor.exporter import MonitorMetrics
 from monitor.http import MetricsServer
 from monitor.model_contract import ContractTable
-from monitor.pipeline import Pipeline, Topics
+from monitor.pipeline import Output, Pipeline, Record, Topics
 from monitor.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    outputs: list[Output]
+    positions: dict[tuple[str, int], int]  #: next offset to read, after this batch
+    committable: dict[tuple[str, int], int]  #: safe to commit once the outputs are flushed
 EXIT_OK, EXIT_CONFIG, EXIT_INFRA = 0, 1, 3
 RETRIES = 5
 
@@ -83,7 +92,7 @@ class Service:
             producer = OutputProducer(kafka)
             consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
                                      max_records=s.batch_max_records,
-                                     max_partition_fetch_bytes=s.max_record_bytes + 65_536)
+                                     max_partition_fetch_bytes=s.fetch_partition_bytes)
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
                                    self.topics.dead_letter])
             consumer.subscribe()
@@ -101,27 +110,43 @@ class Service:
             server.stop()
 
     def _loop(self, consumer: GroupConsumer, reader: ContractReader, producer: OutputProducer) -> None:
+        """Poll batch N+1 while a worker thread processes batch N (numpy releases the
+        GIL, kafka-python's record parsing does not need it back), then flush and commit
+        N. Pipeline state is only touched by the worker, or while the worker is idle."""
         s = self.settings
-        while not self.stopping.is_set():
-            records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
-            self._apply_rebalance(consumer)
-            reader.refresh()
-            self.metrics.contracts.set(len(self.contracts))
-            outputs = []
-            for record in records:
-                outputs += self.pipeline.process(record)
-                consumer.advance(record)
-            outputs += self.pipeline.expire()
-            producer.send(outputs)
-            _retry(producer.flush, "flush outputs")
-            if consumer.positions:
-                _retry(lambda: consumer.commit(self.pipeline.committable(consumer.positions)), "commit")
-                self.metrics.commits.inc()
-            self.metrics.lag.set(consumer.lag(self.topics.traces))
-            self.ready.set()
-            if time.monotonic() - self._saved_at >= s.state_save_interval_s:
-                self._save_state()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline") as worker:
+            running: Future[_Batch] | None = None
+            while not self.stopping.is_set():
+                records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
+                if running is not None:
+                    self._complete(running.result(), consumer, producer)
+                self._apply_rebalance(consumer)
+                reader.refresh()
+                self.metrics.contracts.set(len(self.contracts))
+                self.metrics.lag.set(consumer.lag(self.topics.traces))
+                self.ready.set()
+                if time.monotonic() - self._saved_at >= s.state_save_interval_s:
+                    self._save_state()
+                running = worker.submit(self._process, records, dict(consumer.positions))
+            if running is not None:
+                self._complete(running.result(), consumer, producer)
         log.info("stop requested: last batch flushed and committed")
+
+    def _process(self, records: list[Record], positions: dict[tuple[str, int], int]) -> _Batch:
+        outputs = []
+        for record in records:
+            outputs += self.pipeline.process(record)
+            positions[(record.topic, record.partition)] = record.offset + 1
+        outputs += self.pipeline.expire()
+        return _Batch(outputs, positions, self.pipeline.committable(positions))
+
+    def _complete(self, batch: _Batch, consumer: GroupConsumer, producer: OutputProducer) -> None:
+        producer.send(batch.outputs)
+        _retry(producer.flush, "flush outputs")
+        consumer.positions.update(batch.positions)
+        if batch.committable:
+            _retry(lambda: consumer.commit(batch.committable), "commit")
+            self.metrics.commits.inc()
 
     def _apply_rebalance(self, consumer: GroupConsumer) -> None:
         """Act on assignment changes between polls. A revocation only parks the

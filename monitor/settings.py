@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     anomalies_topic: str = "attention-anomalies"
     dead_letter_topic: str = "attention-dead-letter"
     batch_max_records: int = Field(500, gt=0)
+    fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
     startup_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the broker at start")
 

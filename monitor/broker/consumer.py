@@ -77,8 +77,10 @@ class GroupConsumer:
                 # instance. (The sticky assignors do not co-partition.) Range is eager:
                 # every rebalance revokes everything, then assigns the full new set.
                 partition_assignment_strategy=(RangePartitionAssignor,),
+                # Small fetches keep memory flat; a record larger than these limits still
+                # arrives (the broker returns at least one record per fetch, KIP-74).
                 max_poll_records=max_records, max_partition_fetch_bytes=max_partition_fetch_bytes,
-                fetch_max_bytes=max(52_428_800, max_partition_fetch_bytes), **kafka_config)
+                fetch_max_bytes=4 * max_partition_fetch_bytes, **kafka_config)
         except KafkaError as exc:
             raise _infra("cannot reach Kafka", exc) from exc
 
@@ -114,9 +116,6 @@ class GroupConsumer:
                 self._consumer.seek(TopicPartition(topic, partition), offset)
             except (KafkaError, AssertionError) as exc:
                 log.warning("cannot resume %s/%d at %d: %s", topic, partition, offset, exc)
-
-    def advance(self, record: Record) -> None:
-        self.positions[(record.topic, record.partition)] = record.offset + 1
 
     def forget(self, partitions: Iterable[TP]) -> None:
         for tp in partitions:

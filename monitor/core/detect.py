@@ -33,6 +33,7 @@ Calibration
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ def length_bucket(key_count: int) -> int:
     return max(0, int(math.log(max(key_count, 1), 4)))
 
 
+@functools.lru_cache(maxsize=256)
 def cusum_threshold(arl: float, k: float) -> float:
     """``h`` with Siegmund's in-control ARL of a one-sided CUSUM equal to ``arl``."""
     if arl <= 1 or k <= 0:

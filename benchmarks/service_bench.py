@@ -1,0 +1,182 @@
+"""Service throughput on the real broker, next to its references, in one run.
+
+    python benchmarks/service_bench.py [--traces 4000] [--keys 512]
+
+Starts a plaintext Kafka broker (devstack), fills a topic with signed traces, then
+measures on the same messages:
+
+- raw: a kafka-python consumer reading them, doing nothing else (records/s);
+- core: ``head_metrics`` on the decoded weights, in-process (traces/s);
+- pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
+- service: ``python -m monitor run`` consuming them (traces/s, from its first trace
+  to its last), with its resident memory sampled every 0.2 s.
+
+Goal: service at least 80 % of the lower of raw and core, and flat memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from prometheus_client import CollectorRegistry
+
+from devstack.kafka import start_broker
+from devstack.process import ManagedProcess, free_port
+from monitor.access import Keyring, ScopePolicy
+from monitor.codec import decode, encode
+from monitor.core._blocks import Scratch
+from monitor.core.detect import Detector
+from monitor.core.metrics import head_metrics
+from monitor.exporter import MonitorMetrics
+from monitor.model_contract import ContractTable
+from monitor.pipeline import Pipeline, Record
+from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+
+KEY_ID, SECRET = "bench", b"bench-secret-0123456789"
+
+
+def make_records(n: int, keys: int, rows: int) -> tuple[ContractTable, list[tuple[bytes, bytes]]]:
+    """A contract table with the benchmark model, and ``n`` signed trace records."""
+    import numpy as np
+
+    model = SyntheticModel("bench-lm", "rev-1", layers=4, heads=16, kv_groups=4)
+    contract = model.contract()
+    table = ContractTable()
+    table.add(contract)
+    rng = np.random.default_rng(0)
+    base = []
+    for layer in range(model.layers):  # a pool of weight tensors, reused under fresh headers
+        positions = sample_positions(rng, keys, rows)
+        base.append((positions, trace_weights(rng, layer_roles(layer, model.heads), positions, keys)))
+    records = []
+    for i in range(n):
+        layer = i % model.layers
+        positions, w = base[layer]
+        header = make_header(contract, layer, positions, keys, request_id=f"req-{i // model.layers}")
+        records.append((header.request_id.encode(), encode(header, w, KEY_ID, SECRET)))
+    return table, records
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", type=int, default=4000)
+    parser.add_argument("--keys", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=8)
+    args = parser.parse_args()
+    table, records = make_records(args.traces, args.keys, args.rows)
+    contract = SyntheticModel("bench-lm", "rev-1", layers=4, heads=16, kv_groups=4).contract()
+    size = sum(len(v) for _, v in records) / len(records)
+    print(f"{args.traces} traces of [16, {args.rows}, {args.keys}] float16, {size / 1024:.1f} KiB each")
+
+    broker = start_broker("plaintext")
+    try:
+        bootstrap = broker.bootstrap
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1}
+        admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
+                            wait_for_metadata=True)
+        admin.close()
+        producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20)
+        key, value = ContractTable.record(contract)
+        producer.send("b-contracts", key=key, value=value)
+        for k, v in records:
+            producer.send("b-traces", key=k, value=v)
+        producer.flush()
+        producer.close()
+
+        consumer = KafkaConsumer("b-traces", bootstrap_servers=bootstrap, group_id="raw", auto_offset_reset="earliest",
+                                 enable_auto_commit=False)
+        seen, start = 0, None
+        while seen < args.traces:
+            for batch in consumer.poll(timeout_ms=500).values():
+                start = start or time.perf_counter()
+                seen += len(batch)
+        raw = seen / (time.perf_counter() - start)
+        consumer.close()
+
+        keyring, scopes = Keyring({KEY_ID: SECRET}), ScopePolicy.parse(["*:*"])
+        decoded = [decode(v, keyring=keyring, scopes=scopes, contracts=table.get) for _, v in records]
+        scratch = Scratch()
+        start = time.perf_counter()
+        for trace in decoded:
+            head_metrics(trace.weights, trace.valid, scratch=scratch)
+        core = len(decoded) / (time.perf_counter() - start)
+
+        pipeline = Pipeline(keyring=keyring, scopes=scopes, contracts=table, detector=Detector(),
+                            metrics=MonitorMetrics(CollectorRegistry()))
+        start = time.perf_counter()
+        for i, (k, v) in enumerate(records):
+            pipeline.process(Record("attention-traces", 0, i, k, v))
+        in_process = len(records) / (time.perf_counter() - start)
+
+        work = Path(tempfile.mkdtemp(prefix="service-bench-"))
+        (work / "keyring.json").write_text(json.dumps({KEY_ID: SECRET.decode()}))
+        port = free_port()
+        env = {"ATTENTION_MONITOR_BOOTSTRAP_SERVERS": bootstrap, "ATTENTION_MONITOR_TRACES_TOPIC": "b-traces",
+               "ATTENTION_MONITOR_OUTCOMES_TOPIC": "b-outcomes", "ATTENTION_MONITOR_CONTRACTS_TOPIC": "b-contracts",
+               "ATTENTION_MONITOR_ANOMALIES_TOPIC": "b-anomalies", "ATTENTION_MONITOR_DEAD_LETTER_TOPIC": "b-dead",
+               "ATTENTION_MONITOR_KEYRING_FILE": str(work / "keyring.json"),
+               "ATTENTION_MONITOR_METRICS_PORT": str(port),
+               "ATTENTION_MONITOR_GROUP_ID": "bench-service", "OPENBLAS_NUM_THREADS": "1"}
+        service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
+                                 work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
+        rss, first, last, done = [], None, None, 0.0
+        deadline = time.monotonic() + 600
+        while done < args.traces and time.monotonic() < deadline:
+            service.check_alive()
+            try:
+                done = metric(port, "attention_monitor_traces_consumed_total")
+            except OSError:
+                done = 0.0
+            now = time.perf_counter()
+            if done and first is None:
+                first = (now, done)
+            last = (now, done)
+            rss.append(rss_kib(service.pid))
+            time.sleep(0.2)
+        service.stop()
+        if first is None or last is None or last[0] == first[0]:
+            raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
+        served = (last[1] - first[1]) / (last[0] - first[0])
+    finally:
+        broker.stop()
+
+    floor = min(raw, core)
+    print(f"raw kafka-python consume   {raw:10.0f} records/s")
+    print(f"core head_metrics only     {core:10.0f} traces/s")
+    print(f"pipeline in-process        {in_process:10.0f} traces/s")
+    print(f"service on the broker      {served:10.0f} traces/s = {served / floor:.0%} of min(raw, core) "
+          "(goal >= 80%)")
+    third = max(1, len(rss) // 3)
+    print(f"service RSS: first third {max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
+          f"peak {max(rss) / 1024:.0f} MiB over {len(rss)} samples")
+
+
+if __name__ == "__main__":
+    main()
