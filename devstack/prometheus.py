@@ -10,6 +10,7 @@ routes, inhibitions) left as it is.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import urllib.parse
@@ -125,19 +126,52 @@ def prometheus_config(
     return config
 
 
+_DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)$")
+_RANGE = re.compile(r"\[(\d+)(ms|s|m|h|d)\]")
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _scaled(amount: str, unit: str, speedup: float) -> str:
+    if int(amount) == 0:
+        return "0s"
+    seconds = max(1.0, int(amount) * _SECONDS[unit] / speedup)
+    return f"{seconds:g}s"
+
+
+def scaled_rules(text: str, speedup: float) -> str:
+    """A rule file with every ``for:`` and every range selector divided by ``speedup``
+    (``[10m]`` → ``[10s]`` at 60). Expressions, labels and annotations stay as they are,
+    so a test can watch the deployed rules fire in seconds instead of minutes."""
+    doc = yaml.safe_load(text)
+    for group in doc.get("groups", []):
+        for rule in group.get("rules", []):
+            if "for" in rule:
+                match = _DURATION.match(str(rule["for"]))
+                if match:
+                    rule["for"] = _scaled(match[1], match[2], speedup)
+            rule["expr"] = _RANGE.sub(lambda m: f"[{_scaled(m[1], m[2], speedup)}]", str(rule["expr"]))
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def start_prometheus(
     targets: dict[str, list[str]],
     alertmanagers: list[str] | None = None,
     workdir: Path | None = None,
     timeout: float = 30.0,
+    rules_speedup: float | None = None,
 ) -> Prometheus:
-    """Run ``prometheus`` on the repository config with the given addresses."""
+    """Run ``prometheus`` on the repository config with the given addresses; with
+    ``rules_speedup``, on time-scaled copies of the repository's rule files."""
     owns = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="prometheus-")) if workdir is None else workdir
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(targets, alertmanagers)))
     link = workdir / "alerts"
-    if not link.exists():
+    if rules_speedup is not None:
+        link.mkdir(exist_ok=True)
+        for rules in ALERTS_DIR.glob("*.rules.yml"):
+            (link / rules.name).write_text(scaled_rules(rules.read_text(), rules_speedup))
+    elif not link.exists():
         link.symlink_to(ALERTS_DIR, target_is_directory=True)
     port = free_port()
     process = ManagedProcess(

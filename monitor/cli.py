@@ -198,6 +198,46 @@ def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERR
     raise typer.Exit(code)
 
 
+@app.command()
+def produce(
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="built-in synthetic traffic (required)")] = False,
+    requests: Annotated[int, typer.Option(help="requests to simulate (one trace per layer each)")] = 1000,
+    rate: Annotated[float, typer.Option(help="requests per second")] = 20.0,
+    model_id: Annotated[str, typer.Option(help="model id of the synthetic model")] = "demo-lm",
+    revision: Annotated[str, typer.Option(help="its revision")] = "rev-1",
+    collapse_layer: Annotated[int | None, typer.Option(help="a layer whose heads drift together")] = None,
+    collapse_after: Annotated[int, typer.Option(help="requests before the drift starts")] = 300,
+    key_id: Annotated[str | None, typer.Option(help="keyring key to sign with (default: the first)")] = None,
+) -> None:
+    """Publish a synthetic model's contract, signed traces and outcomes to Kafka.
+
+    Uses the same ATTENTION_MONITOR_* settings as `run` (broker, topics, keyring), so a
+    deployment can be smoke-tested end to end. Traces are scoped tenant demo, data class
+    synthetic: allow that scope in the monitor.
+    """
+    from monitor.errors import ConfigurationError
+    from monitor.produce import SyntheticTraffic, produce_synthetic
+
+    if not synthetic:
+        typer.echo("error: only --synthetic traffic can be produced", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    settings = _settings()
+    try:
+        keyring = settings.keyring()
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    kid = key_id or next(iter(sorted(keyring.keys)), None)
+    secret = keyring.secret(kid) if kid else None
+    if kid is None or secret is None:
+        typer.echo(f"error: key {kid!r} is not in the keyring", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    traffic = SyntheticTraffic(model_id=model_id, revision=revision, requests=requests, rate=rate,
+                               collapse_layer=collapse_layer, collapse_after=collapse_after)
+    sent = produce_synthetic(settings, traffic, kid, secret)
+    typer.echo(f"published the contract of {model_id} {revision} and {sent} traces with outcomes")
+
+
 @app.command("check-config")
 def check_config() -> None:
     """Print the effective settings (secrets masked) and check they can be used."""

@@ -12,6 +12,7 @@ broker's ``message.max.bytes`` and this producer's ``max_request_size`` (default
 
 from __future__ import annotations
 
+import json
 from types import TracebackType
 from typing import Any
 
@@ -54,3 +55,17 @@ class TraceProducer:
                  tb: TracebackType | None) -> None:
         self.flush()
         self.close()
+
+
+def publish_contract(producer: KafkaProducer, topic: str, contract: Any) -> None:
+    """Publish a model contract on the compacted contracts topic, keyed by its id."""
+    from monitor.model_contract import ContractTable
+
+    key, value = ContractTable.record(contract)
+    producer.send(topic, key=key, value=value)
+
+
+def send_outcome(producer: KafkaProducer, topic: str, request_id: str, outcome: str, timestamp: float) -> None:
+    """Publish a task outcome (``success`` or ``failure``), keyed by request id."""
+    value = json.dumps({"request_id": request_id, "outcome": outcome, "timestamp": timestamp}).encode()
+    producer.send(topic, key=request_id.encode(), value=value)

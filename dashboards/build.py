@@ -1,0 +1,192 @@
+"""Builds the Grafana dashboards of the attention trace monitor as JSON files.
+
+    python dashboards/build.py          # rewrites dashboards/*.json
+
+The JSON is committed; tests/dashboards checks it equals what this script builds, that
+every panel has a unit, a description and a query on a real metric, and that every
+query returns data from a real Prometheus scraping a real monitor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SELECTOR = 'model=~"$model",revision=~"$revision",layer=~"$layer"'
+
+
+def rate_ratio(metric: str, by: str, selector: str = SELECTOR) -> str:
+    """Mean of a histogram's observations: rate of its sum over rate of its count."""
+    return (f"sum by ({by}) (rate({metric}_sum{{{selector}}}[$__rate_interval]))\n  /\n"
+            f"sum by ({by}) (rate({metric}_count{{{selector}}}[$__rate_interval]))")
+
+
+def panel(title: str, description: str, expr: str | list[tuple[str, str]], unit: str, legend: str = "", *, x: int,
+          y: int, w: int = 12,
+          h: int = 8, kind: str = "timeseries", minimum: float | None = None, maximum: float | None = None
+          ) -> dict[str, Any]:
+    queries = [(expr, legend)] if isinstance(expr, str) else expr
+    defaults: dict[str, Any] = {"unit": unit}
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}} if kind == "timeseries" else {},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": q, "legendFormat": lg}
+                    for i, (q, lg) in enumerate(queries)],
+    }
+
+
+def variable(name: str, query: str, label: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+        "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
+        "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"}, "sort": 1,
+    }
+
+
+def templating(with_layers: bool) -> dict[str, Any]:
+    items: list[dict[str, Any]] = [{
+        "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+        "current": {}, "hide": 0,
+    }]
+    items.append(variable("model", "label_values(attention_traces_total, model)", "Model"))
+    items.append(variable("revision", 'label_values(attention_traces_total{model=~"$model"}, revision)', "Revision"))
+    if with_layers:
+        items.append(variable("layer", 'label_values(attention_traces_total{model=~"$model",revision=~"$revision"}, '
+                                       "layer)", "Layer"))
+    return {"list": items}
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]], with_layers: bool = True
+              ) -> dict[str, Any]:
+    for i, p in enumerate(panels, start=1):
+        p["id"] = i
+    return {
+        "id": None, "uid": uid, "title": title, "description": description, "tags": ["attention-monitor"],
+        "schemaVersion": 39, "version": 1, "editable": True, "timezone": "", "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"}, "templating": templating(with_layers),
+        "annotations": {"list": []}, "panels": panels,
+    }
+
+
+POLICY = ("Anomalies are prompts for investigation, not pruning commands; head existence does not establish "
+          "specialization (that needs task metrics plus controlled head ablation).")
+
+
+def fleet() -> dict[str, Any]:
+    sel = 'model=~"$model",revision=~"$revision"'
+    return dashboard("attention-fleet", "Attention — fleet overview", "Every model revision at a glance. " + POLICY, [
+        panel("Traces processed", "Verified traces measured per second, by model revision.",
+              f"sum by (model, revision) (rate(attention_traces_total{{{sel}}}[$__rate_interval]))", "ops",
+              "{{model}} {{revision}}", x=0, y=0),
+        panel("Anomalies by kind", "Anomalies raised per second, by kind. " + POLICY,
+              f"sum by (kind) (rate(attention_anomalies_total{{{sel}}}[$__rate_interval]))", "ops", "{{kind}}",
+              x=12, y=0),
+        panel("Low-diversity share per layer", "Share of a layer's traces flagged low_diversity over 10 minutes "
+              "(the AttentionLowHeadDiversity alert fires above 5 %).",
+              f'model_revision_layer_kind:attention_anomaly_ratio:rate10m{{kind="low_diversity",{sel}}}',
+              "percentunit", "{{model}} {{revision}} layer {{layer}}", x=0, y=8, minimum=0),
+        panel("Mean head diversity", "1 − mean pairwise head similarity, averaged over layers and traces, by "
+              "model revision. Lower: heads attend more alike.", rate_ratio("attention_layer_diversity",
+                                                                            "model, revision", sel),
+              "percentunit", "{{model}} {{revision}}", x=12, y=8, minimum=0, maximum=1),
+        panel("Failure-rate lift of anomalous traces", "Failure rate among anomalous traces over the layer's "
+              "failure rate, last hour (alert above 1.5 with at least 50 joined anomalous traces). An "
+              "association, not a cause.",
+              "model_revision_layer_kind:attention_anomaly_failure_ratio:1h\n  / ignoring (kind) group_left\n"
+              "model_revision_layer:attention_trace_failure_ratio:1h", "none",
+              "{{model}} {{revision}} layer {{layer}} {{kind}}", x=0, y=16, minimum=0),
+        panel("Outcomes of joined traces", "Joined traces per second by task outcome (missing: none within the "
+              "join TTL).", f"sum by (outcome) (rate(attention_trace_outcomes_total{{{sel}}}[$__rate_interval]))",
+              "ops", "{{outcome}}", x=12, y=16),
+    ], with_layers=False)
+
+
+def drilldown() -> dict[str, Any]:
+    head_note = " Per-head series need the monitor's detail_level=head."
+    return dashboard("attention-drilldown", "Attention — model drill-down",
+                     "One model revision and layer: per-head entropy, concentration and sink share, layer "
+                     "diversity, anomalies and outcomes. " + POLICY, [
+        panel("Layer head diversity", "Mean over traces of 1 − mean pairwise Bhattacharyya similarity of the "
+              "layer's heads.", rate_ratio("attention_layer_diversity", "model, revision, layer"), "percentunit",
+              "{{revision}} layer {{layer}}", x=0, y=0, minimum=0, maximum=1),
+        panel("Effective heads", "Participation ratio H²/‖S‖² of the head similarity matrix: 1 when every head "
+              "attends alike, H when all differ.", rate_ratio("attention_layer_effective_heads",
+                                                             "model, revision, layer"), "none",
+              "{{revision}} layer {{layer}}", x=12, y=0, minimum=1),
+        panel("Per-head entropy", "Normalised attention entropy of each head (0: one key, 1: uniform)." + head_note,
+              rate_ratio("attention_head_entropy", "head"), "percentunit", "{{head}}", x=0, y=8, w=8,
+              minimum=0, maximum=1),
+        panel("Per-head concentration", "Mean row maximum of each head (near 1: near one-hot; healthy for some "
+              "heads)." + head_note, rate_ratio("attention_head_concentration", "head"), "percentunit", "{{head}}",
+              x=8, y=8, w=8, minimum=0, maximum=1),
+        panel("Per-head sink share", "Mean weight each head puts on the first key (attention sinks are often "
+              "healthy)." + head_note, rate_ratio("attention_head_sink_share", "head"), "percentunit", "{{head}}",
+              x=16, y=8, w=8, minimum=0, maximum=1),
+        panel("Layer entropy, concentration, sink share", "Means over the layer's heads, per trace.",
+              [(rate_ratio(f"attention_layer_{m}", "layer"), f"{m} layer {{{{layer}}}}")
+               for m in ("entropy", "concentration", "sink_share")], "percentunit", x=0, y=16, minimum=0, maximum=1),
+        panel("Anomalies by kind", "Anomalies raised per second for this layer. " + POLICY,
+              f"sum by (kind) (rate(attention_anomalies_total{{{SELECTOR}}}[$__rate_interval]))", "ops", "{{kind}}",
+              x=12, y=16),
+        panel("Outcomes of anomalous traces", "Joined anomalous traces per second, by task outcome.",
+              f"sum by (kind, outcome) (rate(attention_anomaly_outcomes_total{{{SELECTOR}}}[$__rate_interval]))",
+              "ops", "{{kind}} {{outcome}}", x=0, y=24, w=24),
+    ])
+
+
+def service() -> dict[str, Any]:
+    return dashboard("attention-service", "Attention — monitor service health",
+                     "The monitor itself: consumption, rejections, latency, lag, join state.", [
+        panel("Up", "Whether Prometheus can scrape each monitor instance.", 'up{job="attention-monitor"}', "none",
+              "{{instance}}", x=0, y=0, w=6, kind="stat"),
+        panel("Traces consumed", "Trace records read from Kafka per second.",
+              "sum(rate(attention_monitor_traces_consumed_total[$__rate_interval]))", "ops", "consumed",
+              x=6, y=0, w=9),
+        panel("Rejections by reason", "Trace records refused per second, by reason (dead-lettered without "
+              "weights).", "sum by (reason) (rate(attention_monitor_traces_rejected_total[$__rate_interval]))",
+              "ops", "{{reason}}", x=15, y=0, w=9),
+        panel("Processing time p99", "99th percentile of the time to verify and measure one trace.",
+              "histogram_quantile(0.99, sum by (le) (rate(attention_monitor_processing_seconds_bucket"
+              "[$__rate_interval])))", "s", "p99", x=0, y=8, w=8),
+        panel("Consumer lag", "Trace records behind the end of the assigned partitions.",
+              "sum(attention_monitor_consumer_lag_records)", "short", "lag", x=8, y=8, w=8),
+        panel("Time since last trace", "Seconds since any instance processed a verified trace.",
+              "time() - max(attention_monitor_last_trace_timestamp_seconds)", "s", "age", x=16, y=8, w=8),
+        panel("Join buffer", "Traces and outcomes waiting to be joined.", "sum(attention_monitor_join_entries)",
+              "short", "entries", x=0, y=16, w=8),
+        panel("Join evictions", "Join entries evicted per second, by cause (ttl: no outcome in time).",
+              "sum by (reason) (rate(attention_monitor_join_evictions_total[$__rate_interval]))", "ops",
+              "{{reason}}", x=8, y=16, w=8),
+        panel("Label overflow", "Traces labelled model=\"other\" in the last hour (label cap reached).",
+              "sum(increase(attention_monitor_label_overflow_total[1h]))", "short", "overflow", x=16, y=16, w=8),
+    ], with_layers=False)
+
+
+DASHBOARDS = {"fleet.json": fleet, "drilldown.json": drilldown, "service.json": service}
+
+
+def render(build: Any) -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main() -> None:
+    for name, build in DASHBOARDS.items():
+        (HERE / name).write_text(render(build))
+        print(f"wrote dashboards/{name}")
+
+
+if __name__ == "__main__":
+    main()
