@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from monitor.core.detect import KINDS
+from monitor.errors import RejectReason
 
 UNIT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DIVERSITY_BUCKETS = (0.02, 0.05, *UNIT_BUCKETS[:-1], 1.0)
@@ -116,6 +117,9 @@ class MonitorMetrics:
                                   registry=r)
         for reason in ("ttl", "capacity"):
             self.join_evictions.labels(reason)
+        for rejected in RejectReason:  # a closed set: every reason exists from the start, at 0
+            self.rejected.labels(rejected.value)
+        self.outcomes_rejected.labels(RejectReason.MALFORMED.value)
 
     def model_labels(self, model: str, revision: str) -> tuple[str, str]:
         pair = self.guard.labels(model, revision)

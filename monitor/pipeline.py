@@ -95,6 +95,7 @@ class Pipeline:
         self._clock, self._wall = clock, wall_clock
         self._scratch = Scratch()
         self._evicted = dict(self.join.evictions)
+        self._declared: set[tuple[tuple[str, str], int]] = set()
 
     # --- records ------------------------------------------------------------------
 
@@ -123,6 +124,9 @@ class Pipeline:
         h = trace.header
         m = head_metrics(trace.weights, trace.valid, scratch=self._scratch)
         labels = self.metrics.model_labels(h.model_id, h.model_revision)
+        if (labels, h.layer) not in self._declared:
+            self.metrics.declare(labels, h.layer)
+            self._declared.add((labels, h.layer))
         self.metrics.observe_trace(labels, h.layer, h.heads, m.entropy.tolist(), m.concentration.tolist(),
                                    m.sink_share.tolist(), float(m.diversity), float(m.effective_heads))
         anomalies = self.detector.observe(Observation(

@@ -1,0 +1,147 @@
+"""Alert rules, runbooks, Alertmanager routing and dashboards, checked as files and with
+promtool/amtool (the real binaries)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "alerts" / "attention.rules.yml"
+RUNBOOKS = REPO / "alerts" / "runbooks"
+ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+ANOMALY_ALERTS = {"AttentionLowHeadDiversity", "AttentionEntropyCollapse", "AttentionConcentrationOrSinkShift",
+                  "AttentionAnomalyOutcomeAssociation"}
+SEVERITIES = {"critical", "warning", "info"}
+
+
+def alerts() -> list[dict]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+
+def test_promtool_checks_and_unit_tests_pass():
+    check = run("promtool", "check", "rules", str(RULES))
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = sorted((REPO / "alerts" / "tests").glob("*.test.yml"))
+    assert tests
+    result = run("promtool", "test", "rules", *map(str, tests))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_is_tested_just_before_and_after_its_for():
+    covered: dict[str, list] = {}
+    for path in (REPO / "alerts" / "tests").glob("*.test.yml"):
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            for case in test.get("alert_rule_test", []):
+                covered.setdefault(case["alertname"], []).append(bool(case["exp_alerts"]))
+    for rule in alerts():
+        assert sorted(covered.get(rule["alert"], [])) == [False, True], rule["alert"]
+
+
+def test_alerts_follow_the_house_conventions():
+    names = [r["alert"] for r in alerts()]
+    assert len(names) == len(set(names)) >= 10
+    severities = []
+    for rule in alerts():
+        name, labels, notes = rule["alert"], rule["labels"], rule["annotations"]
+        assert re.fullmatch(r"Attention[A-Z][A-Za-z]+", name), name
+        assert labels["severity"] in SEVERITIES, name
+        severities.append(labels["severity"])
+        assert "for" in rule, name
+        assert "{{" not in notes["summary"], f"{name}: the summary must be static"
+        assert "{{" in notes["description"], f"{name}: the description must be templated"
+        assert notes["runbook_url"].endswith(f"/alerts/runbooks/{name}.md"), name
+        assert (RUNBOOKS / f"{name}.md").exists(), name
+        if name in ANOMALY_ALERTS:
+            assert "not an automatic pruning command" in notes["policy"], name
+            assert "does not establish specialization" in notes["policy"], name
+    assert severities.count("critical") <= 2  # page only for what users feel
+
+
+def test_one_runbook_per_alert_with_the_four_sections_and_no_pruning():
+    names = {r["alert"] for r in alerts()}
+    assert {p.stem for p in RUNBOOKS.glob("*.md")} == names
+    for name in names:
+        text = (RUNBOOKS / f"{name}.md").read_text()
+        assert text.startswith(f"# {name}\n")
+        for section in ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation"):
+            assert section in text, f"{name}: {section}"
+        diagnosis = text.split("## Diagnosis")[1].split("## Mitigation")[0]
+        assert re.search(r"`[^`]*(rate|increase|attention_|up\{)[^`]*`", diagnosis), f"{name}: no PromQL"
+        mitigation = text.split("## Mitigation")[1].lower()
+        for line in mitigation.splitlines():
+            if re.search(r"prun|disable heads|mask heads", line):
+                assert re.search(r"\bdo not\b|\bnot\b|\bnever\b", line), f"{name}: {line}"
+        if name in ANOMALY_ALERTS:
+            assert "ablation" in text, f"{name} must point to the evidence a specialization claim needs"
+
+
+def test_alertmanager_config_and_routing():
+    check = run("amtool", "check-config", str(ALERTMANAGER))
+    assert check.returncode == 0, check.stdout + check.stderr
+    for labels, receiver in ((["severity=critical"], "pager"), (["severity=warning"], "tickets"),
+                             (["severity=info"], "chat"), (["severity=warning", "team=security"], "security")):
+        route = run("amtool", "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
+        assert route.stdout.strip() == receiver, (labels, route.stdout, route.stderr)
+
+
+# --- dashboards --------------------------------------------------------------------------
+
+DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
+
+
+def test_dashboards_are_what_build_py_builds():
+    from dashboards import build
+
+    assert {p.name for p in DASHBOARDS} == set(build.DASHBOARDS)
+    for path in DASHBOARDS:
+        assert path.read_text() == build.render(build.DASHBOARDS[path.name]), f"{path.name}: run dashboards/build.py"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_conventions(path):
+    doc = json.loads(path.read_text())
+    assert doc["id"] is None and re.fullmatch(r"attention-[a-z]+", doc["uid"])
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert {"model", "revision"} <= variables.keys()
+    for panel in doc["panels"]:
+        title = panel["title"]
+        assert panel["description"], title
+        assert panel["fieldConfig"]["defaults"]["unit"], title
+        assert panel["datasource"]["uid"] == "${datasource}", title
+        for target in panel["targets"]:
+            assert target["refId"] and target["expr"], title
+            assert target["datasource"]["uid"] == "${datasource}", title
+            for window in re.findall(r"\b(?:rate|irate)\([^\[]*\[([^\]]+)\]", target["expr"]):
+                assert window == "$__rate_interval", f"{title}: rate over {window}"
+
+
+def test_drilldown_has_per_head_panels_and_layer_variable():
+    doc = json.loads((REPO / "dashboards" / "drilldown.json").read_text())
+    assert "layer" in {v["name"] for v in doc["templating"]["list"]}
+    exprs = " ".join(t["expr"] for p in doc["panels"] for t in p["targets"])
+    for metric in ("attention_head_entropy", "attention_head_concentration", "attention_head_sink_share",
+                   "attention_layer_diversity"):
+        assert metric in exprs
+
+
+def test_provisioning_points_at_the_dashboards():
+    prov = REPO / "dashboards" / "provisioning"
+    datasource = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus"
+    provider = yaml.safe_load((prov / "dashboards" / "attention.yml").read_text())["providers"][0]
+    assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["grafana"]["volumes"]
+    assert "./dashboards:/var/lib/grafana/dashboards:ro" in compose
+    assert "./dashboards/provisioning:/etc/grafana/provisioning:ro" in compose
