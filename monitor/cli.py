@@ -238,6 +238,30 @@ def produce(
     typer.echo(f"published the contract of {model_id} {revision} and {sent} traces with outcomes")
 
 
+@app.command()
+def triage(
+    model: Annotated[str | None, typer.Option(help="model id")] = None,
+    revision: Annotated[str | None, typer.Option(help="model revision")] = None,
+    layer: Annotated[int | None, typer.Option(help="layer number")] = None,
+    kind: Annotated[str | None, typer.Option(help="low_diversity, entropy_collapse, concentration_spike, sink_shift")]
+    = None,
+    last: Annotated[int, typer.Option(help="records to read from the end of each partition")] = 2000,
+) -> None:
+    """Summarise recent anomaly records for on-call: heads involved, values against the
+    reference, outcomes, contract ids. A prompt for investigation, never a pruning command."""
+    from monitor.broker.consumer import read_tail
+    from monitor.errors import InfrastructureError
+    from monitor.triage import report, select
+
+    settings = _settings()
+    try:
+        records = read_tail(settings.kafka_config(), [settings.anomalies_topic], last)
+    except InfrastructureError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(3) from exc
+    typer.echo(report(select(records, model, revision, layer, kind)), nl=False)
+
+
 @app.command("check-config")
 def check_config() -> None:
     """Print the effective settings (secrets masked) and check they can be used."""

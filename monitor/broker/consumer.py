@@ -226,16 +226,16 @@ class OutputProducer:
         self._producer.close()
 
 
-def emitted_sources(kafka_config: dict[str, Any], topics: Iterable[str], partitions: set[TP],
-                    since: dict[TP, int], tail: int, timeout_s: float = 30.0) -> set[tuple[str, int, int]]:
-    """Sources (topic, partition, offset) of outputs already written for ``partitions``
-    at or after ``since``, found in the last ``tail`` records of each output partition."""
-    found: set[tuple[str, int, int]] = set()
+def read_tail(kafka_config: dict[str, Any], topics: Iterable[str], tail: int,
+              timeout_s: float = 30.0) -> list[Any]:
+    """The last ``tail`` records of every partition of ``topics``, JSON-decoded (records
+    that are not JSON objects are skipped)."""
+    out: list[Any] = []
     consumer = KafkaConsumer(enable_auto_commit=False, group_id=None, **kafka_config)
     try:
         tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
         if not tps:
-            return found
+            return out
         consumer.assign(tps)
         begin, end = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
         for tp in tps:
@@ -243,22 +243,37 @@ def emitted_sources(kafka_config: dict[str, Any], topics: Iterable[str], partiti
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < end[tp] for tp in tps):
             if time.monotonic() > deadline:
-                raise InfrastructureError("timed out reading back outputs", retriable=True)
+                raise InfrastructureError(f"timed out reading {list(topics)}", retriable=True)
             for records in consumer.poll(timeout_ms=500).values():
                 for r in records:
-                    source = _source(r.value)
-                    if source and (source[0], source[1]) in partitions and source[2] >= since.get(source[:2], 0):
-                        found.add(source)
+                    try:
+                        doc = json.loads(r.value or b"")
+                    except ValueError:
+                        continue
+                    if isinstance(doc, dict):
+                        out.append(doc)
     except KafkaError as exc:
-        raise _infra("reading back outputs failed", exc) from exc
+        raise _infra(f"reading {list(topics)} failed", exc) from exc
     finally:
         consumer.close(autocommit=False)
+    return out
+
+
+def emitted_sources(kafka_config: dict[str, Any], topics: Iterable[str], partitions: set[TP],
+                    since: dict[TP, int], tail: int) -> set[tuple[str, int, int]]:
+    """Sources (topic, partition, offset) of outputs already written for ``partitions``
+    at or after ``since``, found in the last ``tail`` records of each output partition."""
+    found = set()
+    for doc in read_tail(kafka_config, topics, tail):
+        source = _source(doc)
+        if source and (source[0], source[1]) in partitions and source[2] >= since.get(source[:2], 0):
+            found.add(source)
     return found
 
 
-def _source(value: bytes | None) -> tuple[str, int, int] | None:
+def _source(doc: dict[str, Any]) -> tuple[str, int, int] | None:
     try:
-        s = json.loads(value or b"")["source"]
+        s = doc["source"]
         return str(s["topic"]), int(s["partition"]), int(s["offset"])
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None

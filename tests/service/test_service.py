@@ -7,8 +7,10 @@ import signal
 
 import pytest
 from kafka import KafkaAdminClient
+from typer.testing import CliRunner
 
 from devstack.wait import wait_for
+from monitor.cli import app
 from tests.factories import make_record, make_trace
 from tests.service.harness import (
     Monitor,
@@ -109,6 +111,14 @@ def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack):
     assert m[series("attention_trace_outcomes_total", outcome="success", **layer1)] == 40
     assert m[series("attention_layer_diversity_count", **layer1)] == 53
     assert m["attention_monitor_last_trace_timestamp_seconds"] > 1.7e9
+
+    # On-call's view of the same records.
+    result = CliRunner().invoke(app, ["triage", "--layer", "1", "--kind", "low_diversity"], env={
+        "ATTENTION_MONITOR_BOOTSTRAP_SERVERS": bootstrap, "ATTENTION_MONITOR_ANOMALIES_TOPIC": topics.anomalies})
+    assert result.exit_code == 0, result.output
+    assert f"test-model rev-1 layer 1 low_diversity: {len(low)} records" in result.output
+    assert "outcomes: failure=12, missing=1" in result.output
+    assert "not an automatic pruning command" in result.output
 
 
 def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_topic):
