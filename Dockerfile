@@ -6,6 +6,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY monitor ./monitor
 RUN pip install --no-cache-dir .
+RUN mkdir -p /var/lib/attention-monitor && chown 65534 /var/lib/attention-monitor
 USER 65534
 EXPOSE 9464
 ENTRYPOINT []

@@ -24,7 +24,7 @@ classpath: $(STAMP) system-deps
 	$(BIN)/python -m devstack classpath
 
 lint: $(STAMP)
-	$(BIN)/ruff check monitor devstack tests benchmarks
+	$(BIN)/ruff check monitor devstack tests benchmarks dashboards
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

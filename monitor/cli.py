@@ -289,4 +289,8 @@ def version() -> None:
 
 
 def main() -> None:
+    import prometheus_client
+
+    # `_created` samples would double every counter and histogram series (docs/metrics.md).
+    prometheus_client.disable_created_metrics()
     app()

@@ -9,9 +9,9 @@ Bounded labels: model and revision values pass a :class:`LabelGuard` — an allo
 of model ids when configured, otherwise the first ``max_model_revisions`` distinct
 (model, revision) pairs — and anything else becomes ``other``/``other`` and counts in
 ``attention_monitor_label_overflow_total``. Layers and heads come from verified model
-contracts. Series per model revision (see ``docs/metrics.md``):
-``L·(1 + 14 + 11 + 3·13 + 4 + 3 + 12) = 84·L`` at ``layer`` detail, plus ``L·H·3·9 = 27·L·H``
-at ``head`` detail.
+contracts. Series per model revision with ``L`` traced layers of ``H`` heads (see
+``docs/metrics.md``; ``_created`` series disabled): ``86·L`` at ``layer`` detail, plus
+``27·L·H`` at ``head`` detail.
 """
 
 from __future__ import annotations

@@ -87,3 +87,28 @@ def test_metrics_over_tls_with_basic_auth(tmp_path):
         assert _get(f"{server.url}/healthz", context) == (200, "ok\n")  # and the server carries on
     finally:
         server.stop()
+
+
+def test_series_per_model_revision_follow_the_documented_formula():
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()
+    try:
+        def series(level, layers, heads):
+            registry = CollectorRegistry()
+            metrics = MonitorMetrics(registry, detail_level=level)
+            before = sum(len(f.samples) for f in registry.collect())
+            for layer in range(layers):
+                metrics.declare(("m", "r"), layer)
+                metrics.observe_trace(("m", "r"), layer, [f"h{i}" for i in range(heads)], [0.5] * heads,
+                                      [0.5] * heads, [0.5] * heads, 0.5, 2.0)
+                for kind in ("low_diversity", "sink_shift"):
+                    metrics.observe_anomaly(("m", "r"), layer, kind)
+                metrics.observe_outcome(("m", "r"), layer, "failure", ["low_diversity"])
+            return sum(len(f.samples) for f in registry.collect()) - before
+
+        for layers, heads in ((1, 1), (3, 4), (32, 32)):
+            assert series("layer", layers, heads) == 86 * layers
+            assert series("head", layers, heads) == 86 * layers + 27 * layers * heads
+    finally:
+        prometheus_client.enable_created_metrics()
