@@ -73,6 +73,17 @@ class Prometheus:
     def alerts(self) -> list[dict[str, Any]]:
         return list(self.api("alerts")["alerts"])
 
+    def load_rules(self, speedup: float, timeout: float = 30.0) -> None:
+        """Write time-scaled copies of the repository's rule files and reload. A test
+        calls this once the first scrape is in, so that ``absent(up)`` cannot fire in
+        the seconds Prometheus takes to start scraping."""
+        for rules in ALERTS_DIR.glob("*.rules.yml"):
+            (self.workdir / "alerts" / rules.name).write_text(scaled_rules(rules.read_text(), speedup))
+        request = urllib.request.Request(f"{self.url}/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+        wait_for(lambda: self.api("rules")["groups"], timeout=timeout, what="rules loaded")
+
     def stop(self) -> None:
         self.process.stop()
         if self._owns_workdir:
@@ -158,19 +169,17 @@ def start_prometheus(
     alertmanagers: list[str] | None = None,
     workdir: Path | None = None,
     timeout: float = 30.0,
-    rules_speedup: float | None = None,
+    rules: bool = True,
 ) -> Prometheus:
-    """Run ``prometheus`` on the repository config with the given addresses; with
-    ``rules_speedup``, on time-scaled copies of the repository's rule files."""
+    """Run ``prometheus`` on the repository config with the given addresses; without
+    ``rules``, with none loaded yet (see :meth:`Prometheus.load_rules`)."""
     owns = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="prometheus-")) if workdir is None else workdir
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(targets, alertmanagers)))
     link = workdir / "alerts"
-    if rules_speedup is not None:
+    if not rules:
         link.mkdir(exist_ok=True)
-        for rules in ALERTS_DIR.glob("*.rules.yml"):
-            (link / rules.name).write_text(scaled_rules(rules.read_text(), rules_speedup))
     elif not link.exists():
         link.symlink_to(ALERTS_DIR, target_is_directory=True)
     port = free_port()

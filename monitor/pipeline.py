@@ -118,7 +118,11 @@ class Pipeline:
         if not self.recent.add(("trace", trace.header.trace_id)):
             self.metrics.duplicates.inc()
             return []
-        return self._measure(record, trace, started)
+        try:
+            return self._measure(record, trace, started)
+        except Exception as exc:  # a verified record must not stop the partition either
+            log.exception("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
+            return self._reject(record, RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
 
     def _measure(self, record: Record, trace: Trace, started: float) -> list[Output]:
         h = trace.header

@@ -86,10 +86,12 @@ def stack(kafka_broker, tmp_path_factory):
     webhook = WebhookReceiver()
     am = start_alertmanager(webhook.url, tmp / "alertmanager")
     prom = start_prometheus({"attention-monitor": [f"127.0.0.1:{monitor.port}"]}, [am.address], tmp / "prometheus",
-                            rules_speedup=SPEEDUP)
+                            rules=False)
     traffic = Traffic(kafka_broker.bootstrap, topics)
     try:
         monitor.wait_ready()
+        wait_for(lambda: prom.query('up{job="attention-monitor"} == 1'), timeout=30, what="the first scrape")
+        prom.load_rules(SPEEDUP)
         traffic.start()
         yield monitor, prom, am, webhook, traffic
     finally:
@@ -153,8 +155,6 @@ def test_healthy_traffic_fires_nothing_then_a_collapsing_layer_fires_low_diversi
     monitor, prom, _am, webhook, traffic = stack
     wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") >= 120, timeout=90,
              what="references learnt (30 traces per layer) and healthy traffic flowing")
-    wait_for(lambda: prom.query('attention_traces_total{job="attention-monitor"}'), timeout=30,
-             what="Prometheus scraping the monitor")
     healthy_until = time.monotonic() + 25  # longer than every scaled `for:` and window
     while time.monotonic() < healthy_until:
         assert not firing(prom), prom.alerts()
