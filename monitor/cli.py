@@ -136,6 +136,7 @@ def demo(
     from monitor.demo import run_demo, summary
     from monitor.http import MetricsServer
 
+    _logging("ERROR")  # the summary reports the rejections; no per-record warnings here
     registry = CollectorRegistry()
     try:
         server = MetricsServer(registry, address="127.0.0.1", port=port).start()
