@@ -118,9 +118,11 @@ class Service:
             running: Future[_Batch] | None = None
             while not self.stopping.is_set():
                 records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
+                revoked, assigned = consumer.changes.take()
+                self._parked |= revoked  # not committed for from here on
                 if running is not None:
                     self._complete(running.result(), consumer, producer)
-                self._apply_rebalance(consumer)
+                self._apply_rebalance(consumer, revoked, assigned)
                 reader.refresh()
                 self.metrics.contracts.set(len(self.contracts))
                 self.metrics.lag.set(consumer.lag(self.topics.traces))
@@ -141,21 +143,26 @@ class Service:
         return _Batch(outputs, positions, self.pipeline.committable(positions))
 
     def _complete(self, batch: _Batch, consumer: GroupConsumer, producer: OutputProducer) -> None:
+        """Flush a batch's outputs, then commit what it allows, for partitions still
+        owned (a rebalance while it ran may have moved some elsewhere)."""
         producer.send(batch.outputs)
         _retry(producer.flush, "flush outputs")
-        consumer.positions.update(batch.positions)
-        if batch.committable:
-            _retry(lambda: consumer.commit(batch.committable), "commit")
+        # Positions of parked partitions are kept (they may come back in the new
+        # assignment and resume there); only partitions surely still ours are committed.
+        consumer.positions.update({tp: o for tp, o in batch.positions.items() if tp in self._owned})
+        committing = self._owned - self._parked
+        offsets = {tp: o for tp, o in batch.committable.items() if tp in committing}
+        if offsets:
+            _retry(lambda: consumer.commit(offsets), "commit")
             self.metrics.commits.inc()
 
-    def _apply_rebalance(self, consumer: GroupConsumer) -> None:
-        """Act on assignment changes between polls. A revocation only parks the
+    def _apply_rebalance(self, consumer: GroupConsumer, revoked: set[tuple[str, int]],
+                         assigned: set[tuple[str, int]]) -> None:
+        """Act on assignment changes, with the worker idle. A revocation only parks the
         partitions: the rebalance is complete when the new assignment arrives, and only
         then is the state of partitions that went elsewhere dropped."""
-        revoked, assigned = consumer.changes.take()
         if revoked or assigned:
             self.metrics.rebalances.inc()
-        self._parked |= revoked
         if not assigned:
             return
         lost = self._parked - assigned
