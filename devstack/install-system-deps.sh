@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs, idempotently, what the tests need from Debian: Prometheus (with promtool),
-# Alertmanager (with amtool), a Java 17+ runtime and Maven. Python packages live in
+# Alertmanager (with amtool), a Java 17+ runtime, Maven and openssl. Python packages live in
 # the project's virtualenv (see the Makefile); Kafka's jars come from Maven Central.
 set -euo pipefail
 
@@ -11,6 +11,7 @@ command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need+=(maven)
+command -v openssl >/dev/null || need+=(openssl)  # the TLS test makes a certificate
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
