@@ -90,8 +90,14 @@ def decode(
     scopes: ScopePolicy,
     contracts: ContractLookup,
     limits: Limits | None = None,
+    check_mass: bool = True,
 ) -> Trace:
-    """Verify and validate one record; raise :class:`TraceRejected` otherwise."""
+    """Verify and validate one record; raise :class:`TraceRejected` otherwise.
+
+    ``check_mass=False`` leaves the masked-mass and row-sum checks to the caller, who
+    runs :func:`check_mass` on the row masses it measures anyway (the pipeline gets them
+    from the metrics pass, so each trace is converted once).
+    """
     limits = limits or Limits()
     frame = wire.unpack(data, limits.max_record_bytes, limits.max_header_bytes)
     if frame.key_id is None:
@@ -109,7 +115,14 @@ def decode(
                                 f"scope {header.scope.tenant}:{header.scope.data_class} is not allowed here")
         contract, layer = _contract(header, contracts)
         valid = valid_keys(header)
-        _check_values(header, weights, valid, limits)
+        fault = value_fault(weights)
+        if fault == "non_finite":
+            raise TraceRejected(RejectReason.NON_FINITE, "weights contain NaN or infinity")
+        if fault == "negative":
+            raise TraceRejected(RejectReason.NEGATIVE, "weights contain negative values")
+        if check_mass:
+            shown, hidden = row_mass(weights, valid)
+            _check_mass(header, shown, hidden, valid, limits)
     except TraceRejected as exc:
         exc.header = header
         raise
@@ -178,13 +191,18 @@ def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelCont
     return contract, layer
 
 
-def _check_values(header: TraceHeader, weights: NDArray[np.generic], valid: NDArray[np.bool_], limits: Limits) -> None:
-    fault = value_fault(weights)
-    if fault == "non_finite":
-        raise TraceRejected(RejectReason.NON_FINITE, "weights contain NaN or infinity")
-    if fault == "negative":
-        raise TraceRejected(RejectReason.NEGATIVE, "weights contain negative values")
-    shown, hidden = row_mass(weights, valid)
+def check_mass(trace: Trace, shown: NDArray[np.float64], hidden: NDArray[np.float64], limits: Limits) -> None:
+    """The masked-mass and row-sum checks of :func:`decode`, on row masses ``[H, R]``
+    measured elsewhere; raises :class:`TraceRejected` (with the header attached)."""
+    try:
+        _check_mass(trace.header, shown, hidden, trace.valid, limits)
+    except TraceRejected as exc:
+        exc.header = trace.header
+        raise
+
+
+def _check_mass(header: TraceHeader, shown: NDArray[np.float64], hidden: NDArray[np.float64],
+                valid: NDArray[np.bool_], limits: Limits) -> None:
     worst_hidden = float(hidden.max())
     if worst_hidden > limits.masked_mass_tolerance:
         raise TraceRejected(RejectReason.MASKED_MASS, f"a row puts {worst_hidden:.3g} of its weight on keys its "

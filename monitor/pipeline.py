@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, Trace, decode
+from monitor.codec import Limits, Trace, check_mass, decode
 from monitor.contract import TaskOutcome
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Anomaly, Detector, Observation
@@ -109,7 +109,7 @@ class Pipeline:
         started = time.perf_counter()
         try:
             trace = decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
-                           contracts=self.contracts.get, limits=self.limits)
+                           contracts=self.contracts.get, limits=self.limits, check_mass=False)
         except TraceRejected as exc:
             return self._reject(record, exc.reason, exc.detail, exc.header)
         except Exception as exc:
@@ -120,13 +120,17 @@ class Pipeline:
             return []
         try:
             return self._measure(record, trace, started)
+        except TraceRejected as exc:
+            return self._reject(record, exc.reason, exc.detail, exc.header)
         except Exception as exc:  # a verified record must not stop the partition either
             log.exception("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
             return self._reject(record, RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
 
     def _measure(self, record: Record, trace: Trace, started: float) -> list[Output]:
         h = trace.header
-        m = head_metrics(trace.weights, trace.valid, scratch=self._scratch)
+        m = head_metrics(trace.weights, trace.valid, scratch=self._scratch, with_mass=True)
+        assert m.row_mass is not None and m.hidden_mass is not None
+        check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
         labels = self.metrics.model_labels(h.model_id, h.model_revision)
         if (labels, h.layer) not in self._declared:
             self.metrics.declare(labels, h.layer)

@@ -82,3 +82,25 @@ def test_a_redelivered_trace_is_skipped_by_trace_id():
     assert registry.get_sample_value("attention_monitor_duplicates_total") == 1
     assert registry.get_sample_value("attention_traces_total",
                                      {"model": "test-model", "revision": "rev-1", "layer": "0"}) == 1
+
+
+def test_mass_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons():
+    from monitor.codec import encode
+    from tests.factories import KEY_ID, SECRET, make_trace
+
+    pipe, registry = make_pipeline()
+    header, weights = make_trace(4)
+    leaky = weights.copy()
+    leaky[2, 0, -1] = 0.2  # row 0's causal mask hides the last key
+    heavy = weights.copy()
+    heavy[3, -1] *= 1.2
+    reasons = []
+    for offset, w in enumerate((leaky, heavy)):
+        out = pipe.process(Record(Topics().traces, 0, offset, b"k", encode(header.model_copy(
+            update={"trace_id": f"t{offset}"}), w, KEY_ID, SECRET)))
+        reasons.append(json.loads(out[0].value)["reason"])
+    assert reasons == ["masked_mass", "row_sum"]
+    assert registry.get_sample_value("attention_traces_total",
+                                     {"model": "test-model", "revision": "rev-1", "layer": "0"}) is None
+    for reason in ("masked_mass", "row_sum"):
+        assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": reason}) == 1

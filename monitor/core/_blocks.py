@@ -84,21 +84,32 @@ class BlockSums:
     peak: NDArray[np.float32]
     first: NDArray[np.float32]
     gram: NDArray[np.float32]
+    everything: NDArray[np.float32] | None = None  #: row sums over all keys, valid or not
 
 
 def reduce_block(
     weights: NDArray[np.generic],
     valid: NDArray[np.bool_] | None,
     scratch: Scratch,
+    with_everything: bool = False,
 ) -> BlockSums:
     """Row sums of ``w``, ``w·log w``, the row maximum and ``w[..., 0]`` over valid keys,
     and the Gram matrix of ``sqrt(w / rowsum)`` over (row, key), for a block
-    ``weights[t, H, r, K]`` with ``valid`` broadcast to the same shape (or None)."""
+    ``weights[t, H, r, K]`` with ``valid`` broadcast to the same shape (or None).
+    ``with_everything`` also sums each row over all keys, before the mask."""
     flat_w, flat_o = scratch.take(weights.size)
     w = flat_w.reshape(weights.shape)
     o = flat_o.reshape(weights.shape)
-    to_float32(weights, w, valid, o)
+    everything = None
+    if with_everything and valid is not None:
+        to_float32(weights, w, None, o)
+        everything = w.sum(axis=-1)
+        np.multiply(w, valid, out=w)
+    else:
+        to_float32(weights, w, valid, o)
     total = w.sum(axis=-1)
+    if with_everything and everything is None:
+        everything = total
     peak = w.max(axis=-1)
     first = w[..., 0].copy()
     # w·log w with 0·log 0 = 0: log of max(w, tiny) is finite and is multiplied by w.
@@ -123,4 +134,4 @@ def reduce_block(
         np.multiply(o, inv[..., None], out=o)
         q = o.reshape(t, h, r * k)
         gram = np.matmul(q, q.transpose(0, 2, 1))
-    return BlockSums(total, xlogx, peak, first, gram)
+    return BlockSums(total, xlogx, peak, first, gram, everything)

@@ -52,6 +52,10 @@ class HeadMetrics:
     similarity: Array  #: ``[..., H, H]`` Bhattacharyya similarity in [0, 1]
     diversity: Array  #: ``[...]`` 1 − mean off-diagonal similarity
     effective_heads: Array  #: ``[...]`` participation ratio in [1, H]
+    #: ``[..., H, R]`` each row's mass on its valid keys, and on the keys its mask hides
+    #: (only with ``with_mass=True``; for checking a trace without converting it twice)
+    row_mass: Array | None = None
+    hidden_mass: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,8 @@ class GroupSimilarity:
     across: Array  #: ``[...]`` pairs of query heads in different groups (NaN if none)
 
 
-def head_metrics(weights: ArrayLike, valid: ArrayLike | None = None, *, scratch: Scratch | None = None) -> HeadMetrics:
+def head_metrics(weights: ArrayLike, valid: ArrayLike | None = None, *, scratch: Scratch | None = None,
+                 with_mass: bool = False) -> HeadMetrics:
     """Entropy, concentration, sink share, similarity, diversity and effective heads.
 
     Parameters
@@ -76,6 +81,9 @@ def head_metrics(weights: ArrayLike, valid: ArrayLike | None = None, *, scratch:
         invalid keys is ignored and rows are renormalised over the valid ones.
     scratch : Scratch, optional
         Reusable buffers; pass the same one to repeated calls to avoid reallocating.
+    with_mass : bool
+        Also return each row's mass on valid and on hidden keys (``row_mass``,
+        ``hidden_mass``), measured in the same pass.
 
     Returns
     -------
@@ -86,9 +94,11 @@ def head_metrics(weights: ArrayLike, valid: ArrayLike | None = None, *, scratch:
     *batch, h, r, k = w.shape
     flat = w.reshape(-1, h, r, k)
     vflat = None if v is None else np.broadcast_to(v, w.shape).reshape(-1, h, r, k)
-    sums = _row_sums(flat, vflat, scratch or Scratch())
+    sums = _row_sums(flat, vflat, scratch or Scratch(), with_mass)
     n_valid = np.broadcast_to(_valid_count(v, k), w.shape[:-1]).reshape(-1, h, r)
     out = _finish(sums, n_valid.astype(F64))
+    mass = None if sums.everything is None else sums.total.reshape(*batch, h, r)
+    hidden = None if sums.everything is None else np.maximum(sums.everything - sums.total, 0.0).reshape(*batch, h, r)
     return HeadMetrics(
         entropy=out[0].reshape(*batch, h),
         concentration=out[1].reshape(*batch, h),
@@ -96,6 +106,8 @@ def head_metrics(weights: ArrayLike, valid: ArrayLike | None = None, *, scratch:
         similarity=out[3].reshape(*batch, h, h),
         diversity=out[4].reshape(batch),
         effective_heads=out[5].reshape(batch),
+        row_mass=mass,
+        hidden_mass=hidden,
     )
 
 
@@ -204,9 +216,11 @@ class _RowSums:
     peak: Array
     first: Array
     gram: Array
+    everything: Array | None = None
 
 
-def _row_sums(w: NDArray[np.generic], v: NDArray[np.bool_] | None, scratch: Scratch) -> _RowSums:
+def _row_sums(w: NDArray[np.generic], v: NDArray[np.bool_] | None, scratch: Scratch,
+              with_mass: bool = False) -> _RowSums:
     t, h, r, k = w.shape
     per_trace = h * r * k
     rows = max(1, min(r, BLOCK_ELEMENTS // (h * k)))
@@ -217,17 +231,20 @@ def _row_sums(w: NDArray[np.generic], v: NDArray[np.bool_] | None, scratch: Scra
         peak=np.empty((t, h, r), F64),
         first=np.empty((t, h, r), F64),
         gram=np.zeros((t, h, h), F64),
+        everything=np.empty((t, h, r), F64) if with_mass else None,
     )
     for t0 in range(0, t, traces):
         ts = slice(t0, min(t, t0 + traces))
         for r0 in range(0, r, rows):
             rs = slice(r0, min(r, r0 + rows))
-            block = reduce_block(w[ts, :, rs], None if v is None else v[ts, :, rs], scratch)
+            block = reduce_block(w[ts, :, rs], None if v is None else v[ts, :, rs], scratch, with_mass)
             sums.total[ts, :, rs] = block.total
             sums.xlogx[ts, :, rs] = block.xlogx
             sums.peak[ts, :, rs] = block.peak
             sums.first[ts, :, rs] = block.first
             sums.gram[ts] += block.gram
+            if sums.everything is not None and block.everything is not None:
+                sums.everything[ts, :, rs] = block.everything
     return sums
 
 

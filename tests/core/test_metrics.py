@@ -242,3 +242,18 @@ def test_property_matches_reference_and_stays_in_range(trace):
         assert ((finite >= 0) & (finite <= 1)).all(), name
     if np.isfinite(got.effective_heads):
         assert 1 - 1e-9 <= got.effective_heads <= h + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces())
+def test_row_masses_from_the_metrics_pass_equal_the_separate_check(trace):
+    from monitor.core.mass import row_mass
+
+    w, valid = trace
+    if valid is None:
+        valid = np.ones(w.shape, bool)
+    m = head_metrics(w, valid, with_mass=True)
+    shown, hidden = row_mass(w, valid)
+    np.testing.assert_allclose(m.row_mass, shown, atol=1e-6)
+    np.testing.assert_allclose(m.hidden_mass, hidden, atol=1e-6)
+    assert head_metrics(w, valid).row_mass is None
