@@ -39,15 +39,15 @@ from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector
 from monitor.core.metrics import head_metrics
 from monitor.exporter import MonitorMetrics
-from monitor.model_contract import ContractTable
+from monitor.model_contract import ContractTable, ModelContract
 from monitor.pipeline import Pipeline, Record
 from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 KEY_ID, SECRET = "bench", b"bench-secret-0123456789"
 
 
-def make_records(n: int, keys: int, rows: int) -> tuple[ContractTable, list[tuple[bytes, bytes]]]:
-    """A contract table with the benchmark model, and ``n`` signed trace records."""
+def make_records(n: int, keys: int, rows: int) -> tuple[ModelContract, ContractTable, list[tuple[bytes, bytes]]]:
+    """The benchmark model's contract, a table holding it, and ``n`` signed trace records."""
     import numpy as np
 
     model = SyntheticModel("bench-lm", "rev-1", layers=4, heads=16, kv_groups=4)
@@ -65,7 +65,7 @@ def make_records(n: int, keys: int, rows: int) -> tuple[ContractTable, list[tupl
         positions, w = base[layer]
         header = make_header(contract, layer, positions, keys, request_id=f"req-{i // model.layers}")
         records.append((header.request_id.encode(), encode(header, w, KEY_ID, SECRET)))
-    return table, records
+    return contract, table, records
 
 
 def rss_kib(pid: int) -> int:
@@ -89,8 +89,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
-    table, records = make_records(args.traces, args.keys, args.rows)
-    contract = SyntheticModel("bench-lm", "rev-1", layers=4, heads=16, kv_groups=4).contract()
+    contract, table, records = make_records(args.traces, args.keys, args.rows)
     size = sum(len(v) for _, v in records) / len(records)
     print(f"{args.traces} traces of [16, {args.rows}, {args.keys}] float16, {size / 1024:.1f} KiB each")
 

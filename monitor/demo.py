@@ -35,7 +35,6 @@ COLLAPSING_LAYER = 2
 class DemoResult:
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
-    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 class _Clock:
@@ -114,7 +113,6 @@ def _collect(result: DemoResult, outputs: list[Output]) -> None:
         doc = json.loads(out.value)
         if doc.get("schema", "").startswith("attention-anomaly"):
             result.anomalies.append(doc)
-            result.outcomes[(doc["kind"], doc["outcome"])] += 1
         else:
             result.dead_letters.append(doc)
 

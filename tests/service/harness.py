@@ -7,7 +7,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +17,10 @@ from devstack.process import ManagedProcess, free_port
 from devstack.wait import wait_for
 from monitor.broker.producer import TraceProducer
 from monitor.model_contract import ContractTable
+from monitor.pipeline import Topics
 from tests.factories import CONTRACT, KEY_ID, SECRET
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Topics:
-    traces: str
-    outcomes: str
-    contracts: str
-    anomalies: str
-    dead_letter: str
 
 
 def make_topics(make_topic, partitions: int = 2) -> Topics:

@@ -9,6 +9,8 @@ import pytest
 
 from devstack.process import free_port
 from devstack.wait import wait_for
+from monitor.codec import encode
+from tests.factories import make_trace
 from tests.service.harness import (
     Monitor,
     OutputReader,
@@ -27,9 +29,6 @@ pytestmark = pytest.mark.kafka
 
 def poison(n, start=0):
     """Records signed with a key the monitor does not know (one dead letter each)."""
-    from monitor.codec import encode
-    from tests.factories import make_trace
-
     out = []
     for i in range(n):
         header, weights = make_trace(9000 + start + i, keys=16, rows=2)
