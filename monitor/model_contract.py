@@ -90,6 +90,7 @@ class ContractTable:
     def __init__(self) -> None:
         self._contracts: dict[str, ModelContract] = {}
         self.refused = 0
+        self.version = 0  #: changes whenever a contract is added or removed
 
     def __len__(self) -> int:
         return len(self._contracts)
@@ -97,8 +98,12 @@ class ContractTable:
     def get(self, contract_id: str) -> ModelContract | None:
         return self._contracts.get(contract_id)
 
+    def contracts(self) -> list[ModelContract]:
+        return list(self._contracts.values())
+
     def add(self, contract: ModelContract) -> None:
         self._contracts[contract.contract_id] = contract
+        self.version += 1
 
     def apply(self, key: bytes | None, value: bytes | None) -> str | None:
         """Apply one record; returns the contract id it added or removed, or None if refused."""
@@ -107,7 +112,8 @@ class ContractTable:
                 self.refused += 1
                 return None
             contract_id = key.decode("utf-8", "replace")
-            self._contracts.pop(contract_id, None)
+            if self._contracts.pop(contract_id, None) is not None:
+                self.version += 1
             return contract_id
         try:
             doc = json.loads(value)

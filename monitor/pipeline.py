@@ -17,17 +17,18 @@ from typing import Any
 from pydantic import ValidationError
 
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, Trace, check_mass, decode
+from monitor.codec import Limits
 from monitor.contract import TaskOutcome
-from monitor.core._blocks import Scratch
-from monitor.core.detect import Anomaly, Detector, Observation
-from monitor.core.join import JoinBuffer, Joined, RecentKeys
-from monitor.core.metrics import head_metrics
+from monitor.core.detect import Anomaly, Detector
+from monitor.core.join import JoinBuffer, Joined
 from monitor.core.policy import policy_fields
 from monitor.deadletter import dead_letter, encode_dead_letter
-from monitor.errors import RejectReason, TraceRejected
+from monitor.errors import RejectReason
 from monitor.exporter import MonitorMetrics
 from monitor.model_contract import ContractTable
+from monitor.stage import Duplicate, Record, Rejected, Result, TraceStage
+
+__all__ = ["Output", "Pipeline", "Record", "Topics", "anomaly_record"]
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ class Topics:
     contracts: str = "attention-contracts"
     anomalies: str = "attention-anomalies"
     dead_letter: str = "attention-dead-letter"
-
-
-@dataclass(frozen=True)
-class Record:
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
 
 
 @dataclass(frozen=True)
@@ -72,11 +64,12 @@ class Pipeline:
     def __init__(
         self,
         *,
-        keyring: Keyring,
-        scopes: ScopePolicy,
-        contracts: ContractTable,
-        detector: Detector,
         metrics: MonitorMetrics,
+        keyring: Keyring | None = None,
+        scopes: ScopePolicy | None = None,
+        contracts: ContractTable | None = None,
+        detector: Detector | None = None,
+        remote_stage: bool = False,
         limits: Limits | None = None,
         topics: Topics | None = None,
         join_ttl: float = 30.0,
@@ -85,15 +78,21 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
-        self.keyring, self.scopes, self.contracts = keyring, scopes, contracts
-        self.detector, self.metrics = detector, metrics
-        self.limits = limits or Limits()
+        """Traces go through a :class:`TraceStage` built from ``keyring``, ``scopes``,
+        ``contracts``, ``detector``, ``limits`` and ``dedupe_window``; with
+        ``remote_stage`` there is none here: the caller runs the stage elsewhere and
+        hands its results to :meth:`apply`."""
+        self.stage: TraceStage | None = None
+        if not remote_stage:
+            if keyring is None or scopes is None or contracts is None or detector is None:
+                raise ValueError("a local stage needs keyring, scopes, contracts and detector")
+            self.stage = TraceStage(keyring=keyring, scopes=scopes, contracts=contracts, detector=detector,
+                                    limits=limits, dedupe_window=dedupe_window)
+        self.metrics = metrics
         self.topics = topics or Topics()
         self.join: JoinBuffer[_Waiting] = JoinBuffer(join_ttl, join_max_entries)
-        self.recent = RecentKeys(dedupe_window)
         self.already_emitted: set[tuple[str, int, int]] = set()
         self._clock, self._wall = clock, wall_clock
-        self._scratch = Scratch()
         self._evicted = dict(self.join.evictions)
         self._declared: set[tuple[tuple[str, str], int]] = set()
 
@@ -102,50 +101,33 @@ class Pipeline:
     def process(self, record: Record) -> list[Output]:
         if record.topic == self.topics.outcomes:
             return self._outcome(record)
-        return self._trace(record)
+        if self.stage is None:
+            raise RuntimeError("this pipeline's trace stage runs elsewhere; hand its results to apply()")
+        return self.apply(record, self.stage.run(record))
 
-    def _trace(self, record: Record) -> list[Output]:
+    def apply(self, record: Record, result: Result) -> list[Output]:
+        """Account for a trace record the stage has dealt with (here, or in the
+        service's measuring process): metrics, join, and the outputs to send."""
         self.metrics.consumed.inc()
-        started = time.perf_counter()
-        try:
-            trace = decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
-                           contracts=self.contracts.get, limits=self.limits, check_mass=False)
-        except TraceRejected as exc:
-            return self._reject(record, exc.reason, exc.detail, exc.header)
-        except Exception as exc:
-            log.exception("decode failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
-            return self._reject(record, RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None)
-        if not self.recent.add(("trace", trace.header.trace_id)):
+        if isinstance(result, Rejected):
+            return self._reject(record, result.reason, result.detail, result.header)
+        if isinstance(result, Duplicate):
             self.metrics.duplicates.inc()
             return []
-        try:
-            return self._measure(record, trace, started)
-        except TraceRejected as exc:
-            return self._reject(record, exc.reason, exc.detail, exc.header)
-        except Exception as exc:  # a verified record must not stop the partition either
-            log.exception("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
-            return self._reject(record, RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
-
-    def _measure(self, record: Record, trace: Trace, started: float) -> list[Output]:
-        h = trace.header
-        m = head_metrics(trace.weights, trace.valid, scratch=self._scratch, with_mass=True)
-        assert m.row_mass is not None and m.hidden_mass is not None
-        check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
-        labels = self.metrics.model_labels(h.model_id, h.model_revision)
-        if (labels, h.layer) not in self._declared:
-            self.metrics.declare(labels, h.layer)
-            self._declared.add((labels, h.layer))
-        self.metrics.observe_trace(labels, h.layer, h.heads, m.entropy.tolist(), m.concentration.tolist(),
-                                   m.sink_share.tolist(), float(m.diversity), float(m.effective_heads))
-        anomalies = self.detector.observe(Observation(
-            h.model_id, h.model_revision, h.layer, h.key_count, h.heads, m.entropy, m.concentration,
-            m.sink_share, m.similarity, float(m.diversity)))
-        for anomaly in anomalies:
-            self.metrics.observe_anomaly(labels, h.layer, anomaly.kind)
-        self.metrics.processing.observe(time.perf_counter() - started)
+        ident = result.identity
+        labels = self.metrics.model_labels(ident["model_id"], ident["model_revision"])
+        layer = ident["layer"]
+        if (labels, layer) not in self._declared:
+            self.metrics.declare(labels, layer)
+            self._declared.add((labels, layer))
+        self.metrics.observe_trace(labels, layer, result.heads, result.entropy, result.concentration,
+                                   result.sink_share, result.diversity, result.effective_heads)
+        for anomaly in result.anomalies:
+            self.metrics.observe_anomaly(labels, layer, anomaly.kind)
+        self.metrics.processing.observe(result.seconds)
         self.metrics.last_trace.set(self._wall())
-        waiting = _Waiting(_trace_identity(trace, record), labels, h.layer, anomalies)
-        joined = self.join.add_trace(h.request_id, waiting, record.partition, record.offset, self._clock())
+        waiting = _Waiting(ident, labels, layer, result.anomalies)
+        joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, self._clock())
         return self._emit(joined)
 
     def _outcome(self, record: Record) -> list[Output]:
@@ -211,26 +193,19 @@ class Pipeline:
             safe[(topic, partition)] = min(position, waiting) if waiting is not None else position
         return safe
 
-    def drop_partitions(self, partitions: Iterable[int]) -> None:
-        """Forget waiting state of partitions now owned elsewhere. Their traces also
-        leave the de-duplication window: should the partitions come back, the traces
-        are re-read from the last commit and must be processed again."""
+    def drop_partitions(self, partitions: Iterable[int]) -> list[str]:
+        """Forget waiting state of partitions now owned elsewhere, and return the trace
+        ids dropped. They leave the stage's de-duplication window too (a remote stage
+        must be told): should the partitions come back, the traces are re-read from
+        the last commit and must be processed again."""
         dropped = self.join.drop_partitions(partitions)
-        for waiting in dropped:
-            self.recent.discard(("trace", waiting.trace["trace_id"]))
         if dropped:
             log.info("dropped %d waiting traces of revoked partitions", len(dropped))
         self._sync_join_gauges()
-
-
-def _trace_identity(trace: Trace, record: Record) -> dict[str, Any]:
-    h = trace.header
-    return {
-        "trace_id": h.trace_id, "request_id": h.request_id, "model_id": h.model_id,
-        "model_revision": h.model_revision, "contract_id": h.contract_id, "layer": h.layer,
-        "key_count": h.key_count, "trace_timestamp": h.timestamp,
-        "source": {"topic": record.topic, "partition": record.partition, "offset": record.offset},
-    }
+        trace_ids = [waiting.trace["trace_id"] for waiting in dropped]
+        if self.stage is not None:
+            self.stage.forget(trace_ids)
+        return trace_ids
 
 
 def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str, now: float) -> dict[str, Any]:

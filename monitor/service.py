@@ -9,7 +9,12 @@ already written for it are not written again.
 SIGTERM or SIGINT ends the loop after the current batch: outputs are flushed, offsets
 committed, reference state saved and clients closed, then the process exits 0.
 Exit codes: 0 stopped cleanly; 1 configuration error; 3 Kafka unreachable, a topic
-missing or not authorized, or writing outputs failed after retries.
+missing or not authorized, or writing outputs failed after retries; 4 the process that
+measures traces died.
+
+The trace stage (decode, metrics, detection) runs in a child process by default
+(:mod:`monitor.runner`): the service polls batch N+1 and the child measures it while a
+thread of the service accounts for batch N (exporter, join, outputs).
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from monitor.broker.consumer import ContractReader, GroupConsumer, OutputProducer, emitted_sources
-from monitor.core.detect import Detector
 from monitor.errors import InfrastructureError
 from monitor.exporter import MonitorMetrics
 from monitor.http import MetricsServer
 from monitor.model_contract import ContractTable
 from monitor.pipeline import Output, Pipeline, Record, Topics
+from monitor.runner import StageFailed, StageRunner, StageSpec
 from monitor.settings import Settings
+from monitor.stage import Result
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ class _Batch:
     outputs: list[Output]
     positions: dict[tuple[str, int], int]  #: next offset to read, after this batch
     committable: dict[tuple[str, int], int]  #: safe to commit once the outputs are flushed
-EXIT_OK, EXIT_CONFIG, EXIT_INFRA = 0, 1, 3
+EXIT_OK, EXIT_CONFIG, EXIT_INFRA, EXIT_STAGE = 0, 1, 3, 4
 RETRIES = 5
 
 
@@ -58,12 +64,11 @@ class Service:
         self.metrics = MonitorMetrics(self.registry, detail_level=settings.detail_level,
                                       max_model_revisions=settings.max_model_revisions,
                                       model_allowlist=settings.model_allowlist)
-        self.detector = Detector(settings.detector())
         self.contracts = ContractTable()
-        self.pipeline = Pipeline(
-            keyring=settings.keyring(), scopes=settings.scopes(), contracts=self.contracts, detector=self.detector,
-            metrics=self.metrics, limits=settings.limits(), topics=self.topics, join_ttl=settings.join_ttl_s,
-            join_max_entries=settings.join_max_entries, dedupe_window=settings.dedupe_window)
+        self.pipeline = Pipeline(metrics=self.metrics, remote_stage=True, topics=self.topics,
+                                 join_ttl=settings.join_ttl_s, join_max_entries=settings.join_max_entries)
+        self.runner: StageRunner | None = None
+        self._state_saving: Future[Any] | None = None
         self.stopping = threading.Event()
         self.ready = threading.Event()
         self._state_path = _state_path(settings)
@@ -83,10 +88,12 @@ class Service:
             if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None,
         ).start()
         log.info("serving %s/metrics", server.url)
-        self._load_state()
         kafka = s.kafka_config()
         consumer = reader = producer = None
         try:
+            spec = StageSpec(s.keyring(), s.scopes(), s.limits(), s.detector(), s.dedupe_window, self._load_state(),
+                             logging.getLogger().getEffectiveLevel())
+            self.runner = StageRunner(spec, processes=1 if s.stage_process else 0)
             reader = ContractReader(kafka, self.topics.contracts, self.contracts)
             log.info("%d model contracts loaded", reader.load(s.startup_timeout_s))
             producer = OutputProducer(kafka)
@@ -101,43 +108,59 @@ class Service:
         except InfrastructureError as exc:
             log.error("stopping: %s", exc)
             return EXIT_INFRA
+        except StageFailed as exc:
+            log.error("stopping: %s", exc)
+            return EXIT_STAGE
         finally:
             self.ready.clear()
-            self._save_state()
+            self._shut_stage()
             for client in (consumer, reader, producer):
                 if client is not None:
                     client.close()
             server.stop()
 
     def _loop(self, consumer: GroupConsumer, reader: ContractReader, producer: OutputProducer) -> None:
-        """Poll batch N+1 while a worker thread processes batch N (numpy releases the
-        GIL, kafka-python's record parsing does not need it back), then flush and commit
-        N. Pipeline state is only touched by the worker, or while the worker is idle."""
+        """Poll batch N+1 and hand its traces to the stage at once, while a thread
+        accounts for batch N; then flush and commit N. After a rebalance the stage gets
+        N+1 only once the rebalance has been acted on. Pipeline state is only touched by
+        that thread, or while it is idle."""
         s = self.settings
+        runner = self.runner
+        assert runner is not None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline") as worker:
             running: Future[_Batch] | None = None
             while not self.stopping.is_set():
                 records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
                 revoked, assigned = consumer.changes.take()
                 self._parked |= revoked  # not committed for from here on
+                reader.refresh()
+                runner.sync_contracts(self.contracts)
+                traces = [r for r in records if r.topic == self.topics.traces]
+                measuring = None if revoked or assigned else runner.submit(traces)
                 if running is not None:
                     self._complete(running.result(), consumer, producer)
                 self._apply_rebalance(consumer, revoked, assigned)
-                reader.refresh()
+                if measuring is None:
+                    measuring = runner.submit(traces)
                 self.metrics.contracts.set(len(self.contracts))
                 self.metrics.lag.set(consumer.lag(self.topics.traces))
                 self.ready.set()
-                if time.monotonic() - self._saved_at >= s.state_save_interval_s:
-                    self._save_state()
-                running = worker.submit(self._process, records, dict(consumer.positions))
+                self._maybe_save_state()
+                running = worker.submit(self._process, records, measuring, dict(consumer.positions))
             if running is not None:
                 self._complete(running.result(), consumer, producer)
         log.info("stop requested: last batch flushed and committed")
 
-    def _process(self, records: list[Record], positions: dict[tuple[str, int], int]) -> _Batch:
+    def _process(self, records: list[Record], measuring: list[Future[list[Result]]],
+                 positions: dict[tuple[str, int], int]) -> _Batch:
+        assert self.runner is not None
+        results = self.runner.results(measuring)
         outputs = []
         for record in records:
-            outputs += self.pipeline.process(record)
+            if record.topic == self.topics.traces:
+                outputs += self.pipeline.apply(record, next(results))
+            else:
+                outputs += self.pipeline.process(record)
             positions[(record.topic, record.partition)] = record.offset + 1
         outputs += self.pipeline.expire()
         return _Batch(outputs, positions, self.pipeline.committable(positions))
@@ -170,7 +193,9 @@ class Service:
         new = assigned - self._owned
         self._parked, self._owned = set(), set(assigned)
         consumer.forget(lost)
-        self.pipeline.drop_partitions({p for t, p in lost if t == self.topics.traces})
+        dropped = self.pipeline.drop_partitions({p for t, p in lost if t == self.topics.traces})
+        if self.runner is not None:
+            self.runner.forget(dropped)
         consumer.seek({tp: consumer.positions[tp] for tp in kept if tp in consumer.positions})
         if new:
             committed = consumer.committed(new)
@@ -179,21 +204,46 @@ class Service:
             self.pipeline.already_emitted |= found
             log.info("assigned %s; %d outputs already written for them", sorted(new), len(found))
 
-    def _load_state(self) -> None:
+    def _load_state(self) -> dict[str, Any] | None:
         if self._state_path is None or not self._state_path.exists():
+            return None
+        try:
+            state: dict[str, Any] = json.loads(self._state_path.read_text())
+            log.info("reference state loaded from %s", self._state_path)
+            return state
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable reference state %s: %s", self._state_path, exc)
+            return None
+
+    def _maybe_save_state(self) -> None:
+        """Ask the stage for its state every ``state_save_interval_s``; write it when it
+        arrives (a later iteration), so the loop never waits for it."""
+        if self.runner is None or self._state_path is None:
+            return
+        if self._state_saving is not None and self._state_saving.done():
+            self._write_state(self.runner.wait(self._state_saving))
+            self._state_saving = None
+        if self._state_saving is None and time.monotonic() - self._saved_at >= self.settings.state_save_interval_s:
+            self._saved_at = time.monotonic()
+            self._state_saving = self.runner.state_future()
+
+    def _shut_stage(self) -> None:
+        """Save the final state and stop the stage (its process, if any)."""
+        if self.runner is None:
             return
         try:
-            self.detector.merge_state(json.loads(self._state_path.read_text()))
-            log.info("reference state loaded from %s", self._state_path)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("ignoring unreadable reference state %s: %s", self._state_path, exc)
+            if self._state_path is not None:
+                self._write_state(self.runner.state())
+        except StageFailed as exc:
+            log.error("reference state not saved: %s", exc)
+        finally:
+            self.runner.close()
 
-    def _save_state(self) -> None:
-        self._saved_at = time.monotonic()
+    def _write_state(self, state: dict[str, Any]) -> None:
         if self._state_path is None:
             return
         tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.detector.state_dict()))
+        tmp.write_text(json.dumps(state))
         tmp.replace(self._state_path)
 
 

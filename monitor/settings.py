@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
+    stage_process: bool = Field(True, description="decode, measure and detect in a child process, beside the "
+                                                  "consumer (false: in a thread of the service's own process)")
 
     # Export
     metrics_address: str = "127.0.0.1"

@@ -6,7 +6,7 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-import monitor.pipeline as pipeline_module
+import monitor.stage as stage_module
 from monitor.core.detect import Detector
 from monitor.exporter import MonitorMetrics
 from monitor.model_contract import ContractTable
@@ -48,7 +48,7 @@ def test_commits_are_held_back_to_the_oldest_waiting_trace():
 
 def test_an_unexpected_failure_after_decoding_is_a_counted_reject_and_the_next_record_flows(monkeypatch):
     pipe, registry = make_pipeline()
-    real = pipeline_module.head_metrics
+    real = stage_module.head_metrics
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -57,7 +57,7 @@ def test_an_unexpected_failure_after_decoding_is_a_counted_reject_and_the_next_r
             raise FloatingPointError("simulated")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module, "head_metrics", flaky)
+    monkeypatch.setattr(stage_module, "head_metrics", flaky)
     out = pipe.process(trace(0))
     assert [json.loads(o.value)["reason"] for o in out] == ["malformed"]
     assert json.loads(out[0].value)["verified_header"]["model_id"] == "test-model"
