@@ -68,11 +68,38 @@ def make_records(n: int, keys: int, rows: int) -> tuple[ModelContract, ContractT
     return contract, table, records
 
 
+def tree(pid: int) -> list[int]:
+    """The process and its descendants (the service and its measuring process)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return [pid]
+    return [pid] + [p for child in children for p in tree(int(child))]
+
+
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """Resident memory of the process and its descendants."""
+    total = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def cpu_seconds(pid: int) -> list[float]:
+    """User + system CPU seconds of the process and of each descendant."""
+    out = []
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        except (OSError, IndexError, ValueError):
+            out.append(0.0)
+    return out
 
 
 def metric(port: int, name: str) -> float:
@@ -146,6 +173,8 @@ def main() -> None:
         service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                                  work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
         rss, first, last, done = [], None, None, 0.0
+        cpu_first: list[float] = []
+        cpu_last: list[float] = []
         deadline = time.monotonic() + 600
         while done < args.traces and time.monotonic() < deadline:
             service.check_alive()
@@ -156,9 +185,14 @@ def main() -> None:
             now = time.perf_counter()
             if done and first is None:
                 first = (now, done)
+                cpu_first = cpu_seconds(service.pid) + cpu_seconds(broker.process.pid)[:1]
+            if done:
+                cpu_last = cpu_seconds(service.pid) + cpu_seconds(broker.process.pid)[:1]
             last = (now, done)
             rss.append(rss_kib(service.pid))
             time.sleep(0.2)
+        stage_seconds = metric(port, "attention_monitor_processing_seconds_sum") / max(
+            1.0, metric(port, "attention_monitor_processing_seconds_count"))
         service.stop()
         if first is None or last is None or last[0] == first[0]:
             raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
@@ -173,7 +207,11 @@ def main() -> None:
     print(f"service on the broker      {served:10.0f} traces/s = {served / floor:.0%} of min(raw, core) "
           "(goal >= 80%)")
     third = max(1, len(rss) // 3)
-    print(f"service RSS: first third {max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
+    span = last[0] - first[0]
+    busy = [f"{(b - a) / span:.0%}" for a, b in zip(cpu_first, cpu_last)]
+    print(f"CPU over the service's run: {' + '.join(busy)} of a core (the service, its children, the broker); "
+          f"{stage_seconds * 1e3:.2f} ms per trace in the stage")
+    print(f"service RSS (with its measuring process): first third {max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
           f"peak {max(rss) / 1024:.0f} MiB over {len(rss)} samples")
 
 

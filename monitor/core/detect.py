@@ -116,12 +116,26 @@ def cusum_threshold(arl: float, k: float) -> float:
     return hi
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The streams of a layer's CUSUM, as vectors over [diversity, H entropy,
+    H concentration, H sink share up, H sink share down]."""
+
+    mean: NDArray[np.float64]
+    sd: NDArray[np.float64]
+    sign: NDArray[np.float64]
+    counted: NDArray[np.bool_]
+    threshold: NDArray[np.float64]
+    kinds: tuple[str, ...]  #: kind of each block of H head streams
+
+
 @dataclass
 class Reference:
     heads: int
     diversity: Moments = field(init=False)
     per_head: dict[str, Moments] = field(init=False)
     similarity: MatrixMean = field(init=False)
+    plan: _Plan | None = field(init=False, default=None, repr=False)  #: cached by the detector, reset by update
 
     def __post_init__(self) -> None:
         self.diversity = Moments.empty(1)
@@ -133,6 +147,7 @@ class Reference:
         return int(self.diversity.count[0])
 
     def update(self, obs: Observation) -> None:
+        self.plan = None
         self.diversity.update([obs.diversity])
         for m in HEAD_METRICS:
             self.per_head[m].update(getattr(obs, m))
@@ -165,7 +180,7 @@ class Detector:
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config or DetectorConfig()
         self.references: dict[LayerKey, Reference] = {}
-        self._cusum: dict[tuple[LayerKey, str], NDArray[np.float64]] = {}
+        self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
         self._k = self.config.shift / 2
 
     def _threshold(self, streams: int) -> float:
@@ -195,40 +210,61 @@ class Detector:
         return self._judge(key, judge, obs, ref_revision)
 
     def _judge(self, key: LayerKey, ref: Reference, obs: Observation, ref_revision: str) -> list[Anomaly]:
-        floors = self.config.min_sd
-        h = len(obs.heads)
+        """Every stream of the layer in one vector: layer diversity, then per head
+        entropy, concentration, sink share up and sink share down."""
+        plan = self._plan(ref)
+        x = np.concatenate(([obs.diversity], obs.entropy, obs.concentration, obs.sink_share, obs.sink_share))
+        if x.shape != plan.mean.shape:
+            return []
+        seen = np.isfinite(x)
+        z = np.where(seen & plan.counted, plan.sign * (x - plan.mean) / plan.sd, 0.0)
+        old = self._cusum.get(key)
+        if old is None or old.shape != z.shape:
+            old = np.zeros_like(z)
+        s = np.maximum(0.0, old + np.minimum(z, self.config.clip) - self._k)
+        if not seen[0]:  # no diversity this trace (no two live heads): its stream waits
+            s[0] = old[0]
+        hits = np.flatnonzero((s > plan.threshold) & (z >= self.config.min_effect))
+        scores = s[hits].tolist()
+        s[hits] = 0.0
+        self._cusum[key] = s
         found = []
-        mu = float(ref.diversity.mean[0])
-        sd = max(float(np.sqrt(ref.diversity.variance[0])), floors["diversity"])
-        if math.isfinite(obs.diversity):
-            z = np.array([(mu - obs.diversity) / sd])
-            for i, score in self._step(key, "low_diversity", z, self._threshold(1)):
+        h = len(obs.heads)
+        for i, score in zip(hits.tolist(), scores, strict=True):
+            if i == 0:
                 found.append(Anomaly("low_diversity", obs.layer, self._converging_heads(ref, obs), obs.diversity,
-                                     mu, float(z[i]), score, ref_revision))
-        for kind, metric, sign in (("entropy_collapse", "entropy", -1.0), ("concentration_spike", "concentration", 1.0),
-                                   ("sink_shift", "sink_share", 1.0), ("sink_shift", "sink_share", -1.0)):
-            moments = ref.per_head[metric]
-            sd_h = np.maximum(np.sqrt(np.nan_to_num(moments.variance, nan=0.0)), floors[metric])
-            x = getattr(obs, metric)
-            z = np.where(np.isfinite(x) & (moments.count > 0), sign * (x - moments.mean) / sd_h, 0.0)
-            streams = h * (2 if kind == "sink_shift" else 1)
-            stream = kind if kind != "sink_shift" else f"sink_shift{'+' if sign > 0 else '-'}"
-            for i, score in self._step(key, stream, z, self._threshold(streams)):
-                found.append(Anomaly(kind, obs.layer, (obs.heads[i],), float(x[i]), float(moments.mean[i]),
-                                     float(z[i]), score, ref_revision))
+                                     float(plan.mean[0]), float(z[0]), score, ref_revision))
+            else:
+                head = (i - 1) % h
+                found.append(Anomaly(plan.kinds[(i - 1) // h], obs.layer, (obs.heads[head],), float(x[i]),
+                                     float(plan.mean[i]), float(z[i]), score, ref_revision))
         return found
 
-    def _step(self, key: LayerKey, stream: str, z: NDArray[np.float64], h: float) -> list[tuple[int, float]]:
-        """Advance one CUSUM stream; the indices that alarm, with their scores (then reset)."""
-        s = self._cusum.get((key, stream))
-        if s is None or s.shape != z.shape:
-            s = np.zeros_like(z)
-        s = np.maximum(0.0, s + np.minimum(z, self.config.clip) - self._k)
-        alarms = [(int(i), float(s[i])) for i in np.flatnonzero((s > h) & (z >= self.config.min_effect))]
-        for i, _ in alarms:
-            s[i] = 0.0
-        self._cusum[(key, stream)] = s
-        return alarms
+    def _plan(self, ref: Reference) -> _Plan:
+        """Means, floored deviations, signs and thresholds of every stream of a ready
+        reference (it no longer changes, so this is computed once)."""
+        if ref.plan is not None:
+            return ref.plan
+        floors, h = self.config.min_sd, ref.heads
+        means, sds, signs, counted, thresholds = [], [], [], [], []
+        div = ref.diversity
+        means.append(div.mean)
+        sds.append(np.maximum(np.sqrt(np.nan_to_num(div.variance, nan=0.0)), floors["diversity"]))
+        signs.append(np.array([-1.0]))  # diversity down is bad: z = (mu - x) / sd
+        counted.append(np.array([True]))
+        thresholds.append(np.full(1, self._threshold(1)))
+        for metric, sign, streams in (("entropy", -1.0, h), ("concentration", 1.0, h), ("sink_share", 1.0, 2 * h),
+                                      ("sink_share", -1.0, 2 * h)):
+            moments = ref.per_head[metric]
+            means.append(moments.mean)
+            sds.append(np.maximum(np.sqrt(np.nan_to_num(moments.variance, nan=0.0)), floors[metric]))
+            signs.append(np.full(h, sign))
+            counted.append(moments.count > 0)
+            thresholds.append(np.full(h, self._threshold(streams)))
+        ref.plan = _Plan(np.concatenate(means), np.concatenate(sds), np.concatenate(signs), np.concatenate(counted),
+                         np.concatenate(thresholds), ("entropy_collapse", "concentration_spike", "sink_shift",
+                                                      "sink_shift"))
+        return ref.plan
 
     @staticmethod
     def _converging_heads(ref: Reference, obs: Observation) -> tuple[str, ...]:

@@ -252,6 +252,8 @@ def _finish(s: _RowSums, n: Array) -> tuple[Array, ...]:
     live = s.total > 0
     rows = live & (n >= 1)
     spread = live & (n >= 2)
+    if spread.all() and s.gram.shape[-1] > 1:
+        return _finish_full(s, n)
     with np.errstate(divide="ignore", invalid="ignore"):
         safe_total = np.where(live, s.total, 1.0)
         entropy_nats = np.log(safe_total) - s.xlogx / safe_total
@@ -271,6 +273,23 @@ def _finish(s: _RowSums, n: Array) -> tuple[Array, ...]:
     heads = finite[:, eye].sum(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         effective = np.where(heads > 0, heads.astype(F64) ** 2 / np.where(finite, sim**2, 0.0).sum(axis=(1, 2)), np.nan)
+    return entropy, concentration, sink, sim, diversity, effective
+
+
+def _finish_full(s: _RowSums, n: Array) -> tuple[Array, ...]:
+    """:func:`_finish` when every row of every head has mass and two valid keys (the
+    usual case): no NaN to route around, so plain means, in a few array operations."""
+    t, h, r = s.total.shape
+    inv = 1.0 / s.total
+    entropy_row = (np.log(s.total) - s.xlogx * inv) / np.log(n)
+    entropy = np.clip(entropy_row, 0.0, 1.0).mean(axis=-1)
+    concentration = (s.peak * inv).mean(axis=-1)
+    sink = (s.first * inv).mean(axis=-1)
+    sim = np.clip(s.gram / r, 0.0, 1.0)
+    diagonal = np.arange(h)
+    sim[:, diagonal, diagonal] = 1.0
+    diversity = 1.0 - (sim.sum(axis=(1, 2)) - h) / (h * (h - 1))
+    effective = h * h / np.square(sim).sum(axis=(1, 2))
     return entropy, concentration, sink, sim, diversity, effective
 
 
