@@ -5,7 +5,9 @@
 Starts a plaintext Kafka broker (devstack), fills a topic with signed traces, then
 measures on the same messages:
 
-- raw: a kafka-python consumer reading them, doing nothing else (records/s);
+- raw: a kafka-python consumer reading them, doing nothing else (records/s), first
+  with the C allocator's defaults, then with the settings the service applies to
+  itself (:mod:`monitor.memory`); the second, faster one is the reference;
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s);
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
 - service: ``python -m monitor run`` consuming them (traces/s, from its first trace
@@ -39,6 +41,7 @@ from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector
 from monitor.core.metrics import head_metrics
 from monitor.exporter import MonitorMetrics
+from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable, ModelContract
 from monitor.pipeline import Pipeline, Record
 from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
@@ -77,6 +80,20 @@ def tree(pid: int) -> list[int]:
     return [pid] + [p for child in children for p in tree(int(child))]
 
 
+def raw_consume(bootstrap: str, group: str, n: int) -> float:
+    """Records/s of a kafka-python consumer reading ``n`` records and doing nothing else."""
+    consumer = KafkaConsumer("b-traces", bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
+                             enable_auto_commit=False)
+    seen, start = 0, None
+    while seen < n:
+        for batch in consumer.poll(timeout_ms=500).values():
+            start = start or time.perf_counter()
+            seen += len(batch)
+    consumer.close()
+    assert start is not None
+    return seen / (time.perf_counter() - start)
+
+
 def rss_kib(pid: int) -> int:
     """Resident memory of the process and its descendants."""
     total = 0
@@ -90,15 +107,16 @@ def rss_kib(pid: int) -> int:
     return total
 
 
-def cpu_seconds(pid: int) -> list[float]:
-    """User + system CPU seconds of the process and of each descendant."""
-    out = []
+def cpu_seconds(pid: int, label: str) -> dict[str, float]:
+    """User + system CPU seconds of the process (``label``) and of each descendant."""
+    out = {}
     for p in tree(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+            name = label if p == pid else f"{label}'s child {p}"
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
-            out.append(0.0)
+            pass
     return out
 
 
@@ -136,15 +154,9 @@ def main() -> None:
         producer.flush()
         producer.close()
 
-        consumer = KafkaConsumer("b-traces", bootstrap_servers=bootstrap, group_id="raw", auto_offset_reset="earliest",
-                                 enable_auto_commit=False)
-        seen, start = 0, None
-        while seen < args.traces:
-            for batch in consumer.poll(timeout_ms=500).values():
-                start = start or time.perf_counter()
-                seen += len(batch)
-        raw = seen / (time.perf_counter() - start)
-        consumer.close()
+        raw_default = raw_consume(bootstrap, "raw-default", args.traces)
+        reuse_freed_memory()  # what the service does at start; from here on in this process too
+        raw = raw_consume(bootstrap, "raw", args.traces)
 
         keyring, scopes = Keyring({KEY_ID: SECRET}), ScopePolicy.parse(["*:*"])
         decoded = [decode(v, keyring=keyring, scopes=scopes, contracts=table.get) for _, v in records]
@@ -173,8 +185,8 @@ def main() -> None:
         service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                                  work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
         rss, first, last, done = [], None, None, 0.0
-        cpu_first: list[float] = []
-        cpu_last: list[float] = []
+        cpu_first: dict[str, float] = {}
+        cpu_last: dict[str, float] = {}
         deadline = time.monotonic() + 600
         while done < args.traces and time.monotonic() < deadline:
             service.check_alive()
@@ -185,9 +197,9 @@ def main() -> None:
             now = time.perf_counter()
             if done and first is None:
                 first = (now, done)
-                cpu_first = cpu_seconds(service.pid) + cpu_seconds(broker.process.pid)[:1]
+                cpu_first = cpu_seconds(service.pid, "service") | cpu_seconds(broker.process.pid, "broker")
             if done:
-                cpu_last = cpu_seconds(service.pid) + cpu_seconds(broker.process.pid)[:1]
+                cpu_last = cpu_seconds(service.pid, "service") | cpu_seconds(broker.process.pid, "broker")
             last = (now, done)
             rss.append(rss_kib(service.pid))
             time.sleep(0.2)
@@ -201,17 +213,19 @@ def main() -> None:
         broker.stop()
 
     floor = min(raw, core)
-    print(f"raw kafka-python consume   {raw:10.0f} records/s")
+    print(f"raw kafka-python consume   {raw_default:10.0f} records/s with the default allocator settings")
+    print(f"raw kafka-python consume   {raw:10.0f} records/s with the service's (monitor.memory): the reference")
     print(f"core head_metrics only     {core:10.0f} traces/s")
     print(f"pipeline in-process        {in_process:10.0f} traces/s")
     print(f"service on the broker      {served:10.0f} traces/s = {served / floor:.0%} of min(raw, core) "
           "(goal >= 80%)")
     third = max(1, len(rss) // 3)
     span = last[0] - first[0]
-    busy = [f"{(b - a) / span:.0%}" for a, b in zip(cpu_first, cpu_last)]
-    print(f"CPU over the service's run: {' + '.join(busy)} of a core (the service, its children, the broker); "
-          f"{stage_seconds * 1e3:.2f} ms per trace in the stage")
-    print(f"service RSS (with its measuring process): first third {max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
+    busy = ", ".join(f"{name} {(cpu_last[name] - cpu_first.get(name, 0.0)) / span:.0%}"
+                     for name in cpu_last if not name.startswith("broker'"))
+    print(f"CPU over the service's run, in cores: {busy}; {stage_seconds * 1e3:.2f} ms per trace in the stage")
+    print(f"service RSS, its children included (the shared ring counts in both): first third "
+          f"{max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
           f"peak {max(rss) / 1024:.0f} MiB over {len(rss)} samples")
 
 

@@ -37,6 +37,7 @@ from monitor.broker.consumer import ContractReader, GroupConsumer, OutputProduce
 from monitor.errors import InfrastructureError
 from monitor.exporter import MonitorMetrics
 from monitor.http import MetricsServer
+from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable
 from monitor.pipeline import Output, Pipeline, Record, Topics
 from monitor.runner import StageFailed, StageRunner, StageSpec
@@ -91,8 +92,10 @@ class Service:
         kafka = s.kafka_config()
         consumer = reader = producer = None
         try:
+            if s.reuse_freed_memory:
+                reuse_freed_memory()
             spec = StageSpec(s.keyring(), s.scopes(), s.limits(), s.detector(), s.dedupe_window, self._load_state(),
-                             logging.getLogger().getEffectiveLevel())
+                             logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
             self.runner = StageRunner(spec, processes=1 if s.stage_process else 0)
             reader = ContractReader(kafka, self.topics.contracts, self.contracts)
             log.info("%d model contracts loaded", reader.load(s.startup_timeout_s))

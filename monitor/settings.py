@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
+    reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
+                                                       "fault in fresh pages; resident memory stays at its peak")
     stage_process: bool = Field(True, description="decode, measure and detect in a child process, beside the "
                                                   "consumer (false: in a thread of the service's own process)")
 

@@ -34,7 +34,7 @@ class Record:
     partition: int
     offset: int
     key: bytes | None
-    value: bytes | None
+    value: bytes | memoryview | None  #: a memoryview in the measuring process (see monitor.runner)
 
 
 @dataclass(frozen=True)

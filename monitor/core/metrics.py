@@ -279,7 +279,7 @@ def _finish(s: _RowSums, n: Array) -> tuple[Array, ...]:
 def _finish_full(s: _RowSums, n: Array) -> tuple[Array, ...]:
     """:func:`_finish` when every row of every head has mass and two valid keys (the
     usual case): no NaN to route around, so plain means, in a few array operations."""
-    t, h, r = s.total.shape
+    _, h, r = s.total.shape
     inv = 1.0 / s.total
     entropy_row = (np.log(s.total) - s.xlogx * inv) / np.log(n)
     entropy = np.clip(entropy_row, 0.0, 1.0).mean(axis=-1)
