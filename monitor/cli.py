@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a check failed (an audit FAIL, an invalid configuration);
 2 bad usage or unreadable input; 3 an infrastructure error (broker unreachable,
-authorization refused) after retries; 130 interrupted.
+authorization refused) after retries; 4 the service's measuring process died;
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERR
     Configured by ATTENTION_MONITOR_* environment variables (see `check-config`).
     Stops cleanly on SIGTERM/SIGINT after flushing and committing the current batch.
     Exit codes: 0 stopped cleanly, 1 configuration error, 3 Kafka unreachable, a topic
-    missing or not authorized, or outputs could not be written.
+    missing or not authorized, or outputs could not be written, 4 the measuring process
+    (decode, metrics, detection run in a child process) died.
     """
     from monitor.errors import ConfigurationError
     from monitor.service import run_service

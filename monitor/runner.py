@@ -18,8 +18,9 @@ by a single worker, so the stage sees exactly the sequence an in-process stage w
 Results come back as :mod:`monitor.stage` values, never weights.
 
 The child ignores SIGINT and SIGTERM (the service decides when to stop, and stops it
-after the last batch), and it exits when the service's end of its pipe closes, also
-after a ``kill -9`` of the service. If the child dies, :class:`StageFailed` is raised
+after the last batch), and it exits within a second of the service's death, also after
+a ``kill -9`` of the service (it watches its parent pid: an orphan would otherwise wait
+on its pipe for ever). If the child dies, :class:`StageFailed` is raised
 from the results: nothing was committed for the records in flight, so they are read
 again after a restart.
 """
@@ -33,6 +34,8 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -56,6 +59,8 @@ CHUNK_RECORDS = 64
 #: the shared ring that carries record values to the child; a value larger than the
 #: ring goes through the pipe instead
 RING_BYTES = 32 * 1024 * 1024
+#: how often the child checks that the service is still its parent
+PARENT_CHECK_S = 0.5
 #: a record in the ring: topic, partition, offset, start, length
 Placed = tuple[str, int, int, int, int]
 
@@ -105,6 +110,18 @@ class StageRunner:
         finally:
             if self._ring is not None:
                 self._ring.unlink()  # mapped by both processes now (or the child never started)
+
+    @property
+    def child_pid(self) -> int | None:
+        """The measuring process's pid (None when the stage runs in a thread)."""
+        if not isinstance(self._executor, ProcessPoolExecutor):
+            return None
+        processes = getattr(self._executor, "_processes", None) or {}
+        return next(iter(processes), None)
+
+    @property
+    def ring_path(self) -> str | None:
+        return None if self._ring is None else self._ring.path
 
     def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
         """Queue trace records; their results, chunk by chunk, in order."""
@@ -236,6 +253,13 @@ def _child_init(spec: StageSpec, ring_path: str) -> None:
     with open(ring_path, "r+b") as f:
         _RING = memoryview(mmap.mmap(f.fileno(), 0))
     _STAGE = spec.build()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _child_call(method: str, *args: Any) -> Any:

@@ -1,0 +1,55 @@
+"""The allocator settings the service applies to itself (monitor.memory), measured where
+they matter: a kafka-python consumer reading large records from the real broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kafka import KafkaProducer
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS = 300
+
+CONSUME = textwrap.dedent("""
+    import resource, sys
+    from kafka import KafkaConsumer
+    from monitor.memory import reuse_freed_memory
+    bootstrap, topic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if mode == "tuned":
+        assert reuse_freed_memory()
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             enable_auto_commit=False, max_partition_fetch_bytes=2 << 20)
+    seen, before, counted = 0, None, 0
+    while seen < n:
+        for batch in consumer.poll(timeout_ms=1000).values():
+            if before is None and seen >= n // 3:  # the client's start-up and first fetches are not counted
+                before, counted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, seen
+            seen += len(batch)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (seen - counted))
+""")
+
+
+def faults_per_record(bootstrap: str, topic: str, mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", CONSUME, bootstrap, topic, mode, str(RECORDS)], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=120)
+    return float(out.stdout)
+
+
+def test_a_consumer_of_large_records_stops_faulting_in_fresh_pages(kafka_broker, make_topic):
+    topic = make_topic("large", partitions=2)
+    producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap, linger_ms=20, batch_size=1 << 20,
+                             max_request_size=4 << 20)
+    for i in range(RECORDS):
+        producer.send(topic, key=str(i).encode(), value=os.urandom(128 * 1024))
+    producer.flush()
+    producer.close()
+    default = faults_per_record(kafka_broker.bootstrap, topic, "default")
+    tuned = faults_per_record(kafka_broker.bootstrap, topic, "tuned")
+    print(f"page faults per 128 KiB record: {default:.1f} by default, {tuned:.1f} with the settings")
+    # a 128 KiB record is 32 pages; by default each one is faulted in several times over
+    assert default > 20, default
+    assert tuned < default / 10, (default, tuned)

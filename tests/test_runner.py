@@ -1,0 +1,171 @@
+"""The trace stage in a child process: same results as in-process, ring reuse, failure
+and cleanup. (The service tests run it against the real broker.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import monitor.runner as runner_module
+from devstack.wait import wait_for
+from monitor.codec import Limits
+from monitor.core.detect import DetectorConfig
+from monitor.errors import RejectReason
+from monitor.model_contract import ContractTable
+from monitor.runner import StageFailed, StageRunner, StageSpec
+from monitor.stage import Duplicate, Measured, Record, Rejected
+from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec(**kwargs) -> StageSpec:
+    return StageSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=5), 1000, **kwargs)
+
+
+def table() -> ContractTable:
+    t = ContractTable()
+    t.add(CONTRACT)
+    return t
+
+
+def records(n: int, start: int = 0, **kwargs) -> list[Record]:
+    return [Record("traces", i % 3, i, b"k", make_record(i, **kwargs)) for i in range(start, start + n)]
+
+
+def run(runner: StageRunner, batch: list[Record]) -> list:
+    return list(runner.results(runner.submit(batch)))
+
+
+@pytest.fixture
+def child():
+    r = StageRunner(spec(), processes=1)
+    yield r
+    r.close()
+
+
+def comparable(result):
+    if isinstance(result, Measured):
+        return ("measured", result.identity, result.entropy, result.concentration, result.sink_share,
+                result.diversity, result.effective_heads, [a.kind for a in result.anomalies])
+    if isinstance(result, Rejected):
+        return ("rejected", result.reason)
+    return ("duplicate", result.trace_id)
+
+
+def test_the_child_process_gives_what_the_stage_gives_in_process(child):
+    local = StageRunner(spec(), processes=0)
+    try:
+        fresh = records(30)
+        batch = fresh + fresh[:2] + [Record("traces", 0, 99, None, b"not a trace")]
+        for r in (child, local):
+            r.sync_contracts(table())
+        ours, theirs = run(child, batch), run(local, batch)
+    finally:
+        local.close()
+    assert [comparable(r) for r in ours] == [comparable(r) for r in theirs]
+    kinds = [type(r) for r in ours]
+    assert kinds == [Measured] * 30 + [Duplicate] * 2 + [Rejected]
+    assert ours[-1].reason is RejectReason.MALFORMED
+
+
+def test_contracts_reach_the_child_when_the_table_changes(child):
+    assert run(child, records(1))[0].reason is RejectReason.UNKNOWN_CONTRACT
+    child.sync_contracts(table())
+    assert isinstance(run(child, records(1, start=1))[0], Measured)
+
+
+def test_forgotten_traces_are_measured_again(child):
+    child.sync_contracts(table())
+    batch = records(1)
+    first = run(child, batch)[0]
+    assert isinstance(first, Measured)
+    assert isinstance(run(child, batch)[0], Duplicate)
+    child.forget([first.identity["trace_id"]])
+    assert isinstance(run(child, batch)[0], Measured)
+
+
+def test_the_reference_state_comes_back_from_the_child(child):
+    child.sync_contracts(table())
+    run(child, records(8))
+    state = child.state()
+    # one layer; its reference learnt from the first reference_traces (5) traces only
+    assert [item["reference"]["diversity"]["count"] for item in state["references"]] == [[5.0]]
+
+
+def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):
+    size = len(make_record(0))
+    monkeypatch.setattr(runner_module, "RING_BYTES", 5 * size)
+    monkeypatch.setattr(runner_module, "CHUNK_RECORDS", 2)
+    r = StageRunner(spec(), processes=1)
+    try:
+        r.sync_contracts(table())
+        batch = records(60)
+        results = run(r, batch)  # 30 chunks through a ring that holds 5 records
+    finally:
+        r.close()
+    assert all(isinstance(x, Measured) for x in results), {comparable(x)[:2] for x in results}
+    assert [x.identity["source"]["offset"] for x in results] == list(range(60))
+
+
+def test_a_record_larger_than_the_ring_goes_through_the_pipe(monkeypatch):
+    monkeypatch.setattr(runner_module, "RING_BYTES", 1024)
+    r = StageRunner(spec(), processes=1)
+    try:
+        r.sync_contracts(table())
+        results = run(r, records(3))
+    finally:
+        r.close()
+    assert [type(x) for x in results] == [Measured] * 3
+
+
+def test_the_child_ignores_sigint_and_a_dead_child_is_reported(child):
+    pid = child.child_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGINT)  # a Ctrl-C in the terminal reaches the whole process group
+    child.ping()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(StageFailed, match="measuring process died"):
+        child.state()
+
+
+def test_the_child_and_the_ring_go_when_the_service_is_killed(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from tests.test_runner import spec
+        from monitor.runner import StageRunner
+        r = StageRunner(spec(), processes=1)
+        print(r.child_pid, r.ring_path, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert len(line) == 2, line
+        pid, ring = int(line[0]), line[1]
+        assert not os.path.exists(ring)  # unlinked once the child had mapped it
+        assert _alive(pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not _alive(pid), timeout=20, what="the measuring process to exit after its parent died")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_runner_needs_a_known_mode():
+    with pytest.raises(ValueError, match="processes must be 0"):
+        StageRunner(spec(), processes=2)
+
