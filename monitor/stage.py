@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, Trace, check_mass, decode
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Anomaly, Detector, Observation
 from monitor.core.join import RecentKeys
-from monitor.core.metrics import head_metrics
+from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.model_contract import ContractTable, ModelContract
 
@@ -48,7 +51,7 @@ class Measured:
     sink_share: list[float]
     diversity: float
     effective_heads: float
-    seconds: float  #: time spent decoding, measuring and judging
+    seconds: float  #: time spent decoding, measuring and judging (a batch's metrics time shared equally)
     anomalies: list[Anomaly] = field(default_factory=list)
 
 
@@ -86,7 +89,27 @@ class TraceStage:
 
     def run(self, record: Record) -> Result:
         """Never raises for anything a producer can send."""
-        started = time.perf_counter()
+        return self.run_many([record])[0]
+
+    def run_many(self, records: list[Record]) -> list[Result]:
+        """Results in record order. Traces of the same shape are measured as one batch
+        (the metrics core is batched: per-call overhead is shared); everything else,
+        de-duplication and the detector included, goes trace by trace, in order."""
+        results: list[Result | None] = [None] * len(records)
+        accepted: list[tuple[int, Trace, float]] = []
+        for i, record in enumerate(records):
+            started = time.perf_counter()
+            outcome = self._decode(record)
+            if isinstance(outcome, Trace):
+                accepted.append((i, outcome, time.perf_counter() - started))
+            else:
+                results[i] = outcome
+        measured = self._metrics([trace for _, trace, _ in accepted])
+        for (i, trace, spent), (metrics, shared) in zip(accepted, measured, strict=True):
+            results[i] = self._judge(records[i], trace, metrics, spent + shared)
+        return [r for r in results if r is not None]
+
+    def _decode(self, record: Record) -> Trace | Rejected | Duplicate:
         try:
             trace = decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
                            contracts=self.contracts.get, limits=self.limits, check_mass=False)
@@ -97,16 +120,50 @@ class TraceStage:
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None)
         if not self.recent.add(("trace", trace.header.trace_id)):
             return Duplicate(trace.header.trace_id)
+        return trace
+
+    def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float]]:
+        """Each trace's metrics (or the error measuring it raised) and its share of the
+        time spent, batching traces of equal shape and dtype."""
+        out: list[tuple[HeadMetrics | Exception, float]] = [(ValueError("not measured"), 0.0)] * len(traces)
+        groups: dict[tuple[tuple[int, ...], str], list[int]] = defaultdict(list)
+        for j, trace in enumerate(traces):
+            groups[(trace.weights.shape, trace.weights.dtype.str)].append(j)
+        for members in groups.values():
+            started = time.perf_counter()
+            try:
+                if len(members) == 1:
+                    t = traces[members[0]]
+                    batch = [head_metrics(t.weights, t.valid, scratch=self._scratch, with_mass=True)]
+                else:
+                    weights = np.stack([traces[j].weights for j in members])
+                    valid = np.stack([traces[j].valid for j in members])[:, None]
+                    batch = _split(head_metrics(weights, valid, scratch=self._scratch, with_mass=True))
+            except Exception as exc:
+                if len(members) == 1:
+                    out[members[0]] = (exc, time.perf_counter() - started)
+                    continue
+                for j in members:  # one trace's failure must not cost the others their metrics
+                    out[j] = self._metrics([traces[j]])[0]
+                continue
+            share = (time.perf_counter() - started) / len(members)
+            for j, metrics in zip(members, batch, strict=True):
+                out[j] = (metrics, share)
+        return out
+
+    def _judge(self, record: Record, trace: Trace, metrics: HeadMetrics | Exception, spent: float) -> Result:
+        started = time.perf_counter()
         try:
-            return self._measure(record, trace, started)
+            if isinstance(metrics, Exception):
+                raise metrics
+            measured = self._measure(record, trace, metrics)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:  # a verified record must not stop the partition either
-            log.exception("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
+            log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
+                      exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
-
-    def run_many(self, records: list[Record]) -> list[Result]:
-        return [self.run(r) for r in records]
+        return replace(measured, seconds=spent + time.perf_counter() - started)
 
     def forget(self, trace_ids: list[str]) -> None:
         """Let these traces through again (their partition went elsewhere un-committed)."""
@@ -119,17 +176,22 @@ class TraceStage:
             table.add(contract)
         self.contracts = table
 
-    def _measure(self, record: Record, trace: Trace, started: float) -> Measured:
+    def _measure(self, record: Record, trace: Trace, m: HeadMetrics) -> Measured:
         h = trace.header
-        m = head_metrics(trace.weights, trace.valid, scratch=self._scratch, with_mass=True)
         assert m.row_mass is not None and m.hidden_mass is not None
         check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
         anomalies = self.detector.observe(Observation(
             h.model_id, h.model_revision, h.layer, h.key_count, h.heads, m.entropy, m.concentration,
             m.sink_share, m.similarity, float(m.diversity)))
         return Measured(trace_identity(trace, record), tuple(h.heads), m.entropy.tolist(), m.concentration.tolist(),
-                        m.sink_share.tolist(), float(m.diversity), float(m.effective_heads),
-                        time.perf_counter() - started, anomalies)
+                        m.sink_share.tolist(), float(m.diversity), float(m.effective_heads), 0.0, anomalies)
+
+
+def _split(m: HeadMetrics) -> list[HeadMetrics]:
+    """The per-trace metrics of a batch ``[B, ...]``."""
+    assert m.row_mass is not None and m.hidden_mass is not None
+    return [HeadMetrics(m.entropy[b], m.concentration[b], m.sink_share[b], m.similarity[b], m.diversity[b],
+                        m.effective_heads[b], m.row_mass[b], m.hidden_mass[b]) for b in range(len(m.diversity))]
 
 
 def trace_identity(trace: Trace, record: Record) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""The trace stage: batched metrics give what trace-by-trace metrics give, and one
+trace's failure costs no other trace its result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import monitor.stage as stage_module
+from monitor.core.detect import Detector, DetectorConfig
+from monitor.errors import RejectReason
+from monitor.model_contract import ContractTable
+from monitor.stage import Duplicate, Measured, Record, Rejected, TraceStage
+from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
+
+
+def make_stage() -> TraceStage:
+    contracts = ContractTable()
+    contracts.add(CONTRACT)
+    return TraceStage(keyring=KEYRING, scopes=SCOPES, contracts=contracts,
+                      detector=Detector(DetectorConfig(reference_traces=4)))
+
+
+def mixed_records() -> list[Record]:
+    """Two shapes, float16 and float32, a duplicate and a record that is not a trace."""
+    values = [make_record(i, keys=32 if i % 3 else 48, dtype="float32" if i % 5 == 0 else "float16")
+              for i in range(24)]
+    values += [values[3], b"garbage"]
+    return [Record("traces", 0, i, b"k", v) for i, v in enumerate(values)]
+
+
+def test_a_batch_gives_what_one_trace_at_a_time_gives():
+    records = mixed_records()
+    batched = make_stage().run_many(records)
+    single = make_stage()
+    one_by_one = [single.run(r) for r in records]
+    assert [type(r) for r in batched] == [type(r) for r in one_by_one]
+    assert [type(r) for r in batched][-2:] == [Duplicate, Rejected]
+    for a, b in zip(batched, one_by_one, strict=True):
+        if isinstance(a, Measured):
+            assert isinstance(b, Measured)
+            assert a.identity == b.identity
+            for field in ("entropy", "concentration", "sink_share"):
+                np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-9)
+            assert a.diversity == pytest.approx(b.diversity, rel=1e-6, abs=1e-9)
+            assert [x.kind for x in a.anomalies] == [x.kind for x in b.anomalies]
+
+
+def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
+    records = [Record("traces", 0, i, b"k", make_record(i)) for i in range(5)]
+    real = stage_module.head_metrics
+    marked = []
+
+    def flaky(weights, valid=None, **kwargs):
+        if np.ndim(weights) == 4:
+            raise FloatingPointError("simulated failure of the batch")
+        if len(marked) == 1:  # the second trace measured on its own
+            marked.append(True)
+            raise FloatingPointError("simulated failure of one trace")
+        marked.append(True)
+        return real(weights, valid, **kwargs)
+
+    monkeypatch.setattr(stage_module, "head_metrics", flaky)
+    results = make_stage().run_many(records)
+    assert [type(r) for r in results] == [Measured, Rejected, Measured, Measured, Measured]
+    assert results[1].reason is RejectReason.MALFORMED
+    assert results[1].header is not None  # the header verified; it goes to the dead letter
