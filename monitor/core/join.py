@@ -7,11 +7,14 @@ traces plus outcomes: beyond that the oldest entry is evicted (a trace leaves wi
 ``missing``), and evictions are counted by cause (``ttl``, ``capacity``).
 
 For at-least-once delivery the buffer tells, per partition, the smallest offset still
-waiting: a consumer must not commit past it, or a crash would lose the wait.
+waiting: a consumer must not commit past it, or a crash would lose the wait. It keeps a
+heap of offsets per partition (entries that left are dropped lazily), so asking costs
+O(partitions), not a scan of every waiting entry.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ class JoinBuffer(Generic[T]):
         self._entries: OrderedDict[int, _Entry[T]] = OrderedDict()  # insertion order = deadline order
         self._traces: dict[str, set[int]] = {}
         self._outcomes: dict[str, int] = {}
+        self._offsets: dict[tuple[bool, int], list[tuple[int, int]]] = {}  #: (is trace, partition) -> (offset, seq)
         self._seq = 0
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0}
 
@@ -95,10 +99,15 @@ class JoinBuffer(Generic[T]):
         """Smallest waiting offset per partition, for traces and for outcomes."""
         traces: dict[int, int] = {}
         outcomes: dict[int, int] = {}
-        for entry in self._entries.values():
-            table = traces if entry.item is not None else outcomes
-            if entry.offset < table.get(entry.partition, entry.offset + 1):
-                table[entry.partition] = entry.offset
+        for key in list(self._offsets):
+            heap = self._offsets[key]
+            while heap and heap[0][1] not in self._entries:
+                heapq.heappop(heap)
+            if not heap:
+                del self._offsets[key]
+                continue
+            is_trace, partition = key
+            (traces if is_trace else outcomes)[partition] = heap[0][0]
         return traces, outcomes
 
     def drop_partitions(self, partitions: Iterable[int]) -> list[T]:
@@ -111,6 +120,8 @@ class JoinBuffer(Generic[T]):
     def _put(self, entry: _Entry[T]) -> None:
         self._seq += 1
         self._entries[self._seq] = entry
+        heapq.heappush(self._offsets.setdefault((entry.item is not None, entry.partition), []),
+                       (entry.offset, self._seq))
 
     def _make_room(self, now: float) -> list[Joined[T]]:
         out = self.expire(now)

@@ -52,3 +52,30 @@ def test_recent_keys_is_a_bounded_window():
     seen.add("d")
     seen.add("e")
     assert "b" not in seen and "a" in seen and len(seen) == 3
+
+
+def test_oldest_offsets_match_a_scan_of_what_is_waiting_through_any_sequence_of_events():
+    import random
+
+    rng = random.Random(7)
+    buf: JoinBuffer[str] = JoinBuffer(ttl=5, max_entries=40)
+    now, next_offset = 0.0, {p: 0 for p in range(3)}
+    for step in range(3000):
+        now += rng.random() * 0.2
+        partition = rng.randrange(3)
+        offset = next_offset[partition] = next_offset[partition] + rng.randrange(1, 3)
+        request = f"r{rng.randrange(60)}"
+        action = rng.random()
+        if action < 0.5:
+            buf.add_trace(request, f"t{step}", partition, offset, now)
+        elif action < 0.85:
+            buf.add_outcome(request, "success", partition, offset, now)
+        elif action < 0.95:
+            buf.expire(now)
+        else:
+            buf.drop_partitions([partition])
+        scan: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        for entry in buf._entries.values():
+            table = scan[0] if entry.item is not None else scan[1]
+            table[entry.partition] = min(entry.offset, table.get(entry.partition, entry.offset))
+        assert buf.oldest_offsets() == scan, step
