@@ -171,6 +171,11 @@ class StageRunner:
     def ping(self) -> None:
         self.wait(self._call("ping"))
 
+    def check(self) -> None:
+        """Raise :class:`StageFailed` if the measuring process has died (a cheap call:
+        the pool refuses new work as soon as it notices a dead worker)."""
+        self._call("ping")
+
     @staticmethod
     def wait(future: Future[Any]) -> Any:
         try:

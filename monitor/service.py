@@ -137,6 +137,7 @@ class Service:
                 revoked, assigned = consumer.changes.take()
                 self._parked |= revoked  # not committed for from here on
                 reader.refresh()
+                runner.check()  # a dead measuring process stops the service even when no traffic comes
                 runner.sync_contracts(self.contracts)
                 traces = [r for r in records if r.topic == self.topics.traces]
                 measuring = None if revoked or assigned else runner.submit(traces)

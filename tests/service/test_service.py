@@ -3,7 +3,9 @@ either order, poison records, SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient
@@ -155,3 +157,15 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack):
         admin.close()
     total = sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces)
     assert total == 20, committed
+
+
+def test_a_dead_measuring_process_stops_the_monitor_with_exit_code_4(kafka_broker, stack):
+    _, start, _ = stack
+    monitor = start()
+    pid = monitor.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    measuring = [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(measuring) == 1, children
+    os.kill(measuring[0], signal.SIGKILL)
+    assert monitor.process.proc.wait(30) == 4
+    assert "the measuring process died" in monitor.process.log_path.read_text()
