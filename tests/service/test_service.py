@@ -136,9 +136,11 @@ def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_
     reader.wait(lambda r: len(r[topics.dead_letter]) == 2, timeout=20, what="both poison records dead-lettered")
 
 
-def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack):
+@pytest.mark.parametrize("stage_process", [True, False], ids=["measuring-process", "measuring-thread"])
+def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, stage_process):
     topics, start, _ = stack
-    monitor = start()
+    monitor = start(stage_process=str(stage_process).lower())
+    assert len(measuring_processes(monitor)) == (1 if stage_process else 0)
     traces = healthy(20, 0)
     send_traces(kafka_broker.bootstrap, topics.traces, traces)
     send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
@@ -162,10 +164,15 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack):
 def test_a_dead_measuring_process_stops_the_monitor_with_exit_code_4(kafka_broker, stack):
     _, start, _ = stack
     monitor = start()
-    pid = monitor.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    measuring = [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert len(measuring) == 1, children
+    measuring = measuring_processes(monitor)
+    assert len(measuring) == 1, measuring
     os.kill(measuring[0], signal.SIGKILL)
     assert monitor.process.proc.wait(30) == 4
     assert "the measuring process died" in monitor.process.log_path.read_text()
+
+
+def measuring_processes(monitor: Monitor) -> list[int]:
+    """The monitor's child processes, but for multiprocessing's resource tracker."""
+    pid = monitor.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
