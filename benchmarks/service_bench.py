@@ -153,6 +153,9 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=4000)
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--join-ttl", type=float, default=2.0,
+                        help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
+                             "long: a short TTL lets the run reach its steady state; default 2)")
     args = parser.parse_args()
     contract, table, records = make_records(args.traces, args.keys, args.rows)
     size = sum(len(v) for _, v in records) / len(records)
@@ -199,7 +202,8 @@ def main() -> None:
                "ATTENTION_MONITOR_ANOMALIES_TOPIC": "b-anomalies", "ATTENTION_MONITOR_DEAD_LETTER_TOPIC": "b-dead",
                "ATTENTION_MONITOR_KEYRING_FILE": str(work / "keyring.json"),
                "ATTENTION_MONITOR_METRICS_PORT": str(port),
-               "ATTENTION_MONITOR_GROUP_ID": "bench-service", "OPENBLAS_NUM_THREADS": "1"}
+               "ATTENTION_MONITOR_GROUP_ID": "bench-service", "OPENBLAS_NUM_THREADS": "1",
+               "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl)}
         service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                                  work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
         rss, first, last, done = [], None, None, 0.0
