@@ -247,6 +247,11 @@ def main() -> None:
     busy = ", ".join(f"{name} {(cpu_last[name] - cpu_first.get(name, 0.0)) / span:.0%}"
                      for name in cpu_last if not name.startswith("broker'"))
     print(f"CPU over the service's run, in cores: {busy}; {stage_seconds * 1e3:.2f} ms per trace in the stage")
+    used = sum(cpu_last[name] - cpu_first.get(name, 0.0) for name in cpu_last if not name.startswith("broker'"))
+    per_trace = used / (last[1] - first[1])
+    cores = os.cpu_count() or 1
+    print(f"CPU per trace, all processes: {per_trace * 1e3:.2f} ms; on {cores} cores that allows at most "
+          f"{cores / per_trace:.0f} traces/s, {cores / per_trace / floor:.0%} of min(raw, core)")
     print(f"service RSS, its children included (the shared ring counts in both): first third "
           f"{max(rss[:third]) / 1024:.0f} MiB, last third {max(rss[-third:]) / 1024:.0f} MiB, "
           f"peak {max(rss) / 1024:.0f} MiB over {len(rss)} samples")
