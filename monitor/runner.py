@@ -20,9 +20,9 @@ Results come back as :mod:`monitor.stage` values, never weights.
 The child ignores SIGINT and SIGTERM (the service decides when to stop, and stops it
 after the last batch), and it exits within a second of the service's death, also after
 a ``kill -9`` of the service (it watches its parent pid: an orphan would otherwise wait
-on its pipe for ever). If the child dies, :class:`StageFailed` is raised
-from the results: nothing was committed for the records in flight, so they are read
-again after a restart.
+on its pipe for ever). If the child dies, :class:`StageFailed` is raised from the next
+call or result: nothing was committed for the records in flight, so they are read again
+after a restart.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from monitor.stage import Record, Result, TraceStage
 
 log = logging.getLogger(__name__)
 
-#: a chunk of trace records sent to the stage at once: small enough to keep the
-#: pipe's copies small, large enough that the per-task overhead does not matter
+#: a chunk of trace records sent to the stage at once (and measured as a batch): small
+#: enough that the ring holds many chunks in flight, large enough that the per-task
+#: overhead does not matter
 CHUNK_BYTES = 2 * 1024 * 1024
 CHUNK_RECORDS = 64
 #: the shared ring that carries record values to the child; a value larger than the

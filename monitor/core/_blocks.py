@@ -35,16 +35,14 @@ class Scratch:
 
     values: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
     other: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
-
     units: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
+    edges: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
 
     def take(self, n: int) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         if self.values.size < n:
             self.values = np.empty(n, F32)
             self.other = np.empty(n, F32)
         return self.values[:n], self.other[:n]
-
-    edges: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
 
     def ones(self, n: int) -> NDArray[np.float32]:
         """A vector of ``n`` ones (row sums as matrix products)."""

@@ -21,7 +21,7 @@ without such rows gets NaN for its own metrics and is left out of diversity and
 effective_heads; a pair of heads without a common row gets NaN similarity and is left
 out of both. Nothing raises for these cases, and nothing is a silent 0.
 
-The similarity is a Gram matrix of ``√p`` over (row, key): one matrix product per trace.
+The similarity is a Gram matrix of ``√p`` over (row, key): one matrix product per row.
 :func:`js_similarity` offers the exact Jensen–Shannon similarity ``1 − JSD`` (in bits),
 as used by Clark et al. 2019 (*What Does BERT Look At?*), for comparison; its cost grows
 with ``H²`` and it is kept off the default path.
