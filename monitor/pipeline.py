@@ -1,8 +1,10 @@
 """decode → verify → contract check → metrics → detector → join, on plain records.
 
-Nothing here knows Kafka: the service hands in :class:`Record` values and sends the
-:class:`Output` values it gets back, then commits what :meth:`Pipeline.committable`
-allows. The demo feeds the same pipeline in-process.
+The first five steps are the trace stage (:mod:`monitor.stage`); this module adds the
+join, the exporter's bookkeeping and the outputs. Nothing here knows Kafka: the service
+hands in :class:`Record` values (and, for traces, the stage's results from its measuring
+process) and sends the :class:`Output` values it gets back, then commits what
+:meth:`Pipeline.committable` allows. The demo feeds the same pipeline in-process.
 """
 
 from __future__ import annotations
