@@ -7,12 +7,14 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 from kafka import KafkaAdminClient
 from typer.testing import CliRunner
 
 from devstack.wait import wait_for
 from monitor.cli import app
+from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 from tests.factories import make_record, make_trace
 from tests.service.harness import (
     Monitor,
@@ -176,3 +178,23 @@ def measuring_processes(monitor: Monitor) -> list[int]:
     pid = monitor.process.pid
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_contract_published_while_running_reaches_the_measuring_process(kafka_broker, stack):
+    topics, start, _ = stack
+    monitor = start()
+    revision = SyntheticModel("test-model", "rev-2", layers=2, heads=4, kv_groups=2)
+    contract = revision.contract()
+    publish_contracts(kafka_broker.bootstrap, topics, [contract])
+    wait_for(lambda: monitor.value("attention_monitor_contracts") == 2, timeout=30, what="the new contract loaded")
+    rng = np.random.default_rng(3)
+    traces = []
+    for _ in range(5):
+        positions = sample_positions(rng, 64, 6)
+        header = make_header(contract, 0, positions, 64)
+        traces.append((header, trace_weights(rng, layer_roles(0, 4), positions, 64)))
+    send_traces(kafka_broker.bootstrap, topics.traces, traces)
+    measured = series("attention_traces_total", layer=0, model="test-model", revision="rev-2")
+    wait_for(lambda: monitor.value(measured) == 5, timeout=30, what="the new revision's traces measured")
+    unknown = series("attention_monitor_traces_rejected_total", reason="unknown_contract")
+    assert monitor.value(unknown) == 0
