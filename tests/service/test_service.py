@@ -3,6 +3,7 @@ either order, poison records, SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -161,6 +162,23 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, st
         admin.close()
     total = sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces)
     assert total == 20, committed
+    assert reference_counts(monitor) == [20]  # the stage's state, saved on the way out
+    # A restart starts from the saved references and learns on from there.
+    again = start(f"monitor-again-{stage_process}", stage_process=str(stage_process).lower())
+    send_traces(kafka_broker.bootstrap, topics.traces, healthy(10, 0, start=20))
+    measured = series("attention_traces_total", layer=0, model="test-model", revision="rev-1")
+    wait_for(lambda: again.value(measured) == 10, timeout=30, what="10 more traces measured after the restart")
+    again.process.proc.send_signal(signal.SIGTERM)
+    assert again.process.proc.wait(30) == 0
+    assert reference_counts(again) == [30]
+
+
+def reference_counts(monitor: Monitor) -> list[int]:
+    """Traces behind each saved reference (the state file of the monitor's group)."""
+    files = list(Path(monitor.env["ATTENTION_MONITOR_STATE_DIR"]).glob("reference-*.json"))
+    assert len(files) == 1, files
+    doc = json.loads(files[0].read_text())
+    return [int(item["reference"]["diversity"]["count"][0]) for item in doc["references"]]
 
 
 def test_a_dead_measuring_process_stops_the_monitor_with_exit_code_4(kafka_broker, stack):
