@@ -17,12 +17,15 @@ updates, de-duplication releases and state requests are executed one after the o
 by a single worker, so the stage sees exactly the sequence an in-process stage would.
 Results come back as :mod:`monitor.stage` values, never weights.
 
+Calls and results travel over two plain pipes, read by one thread on each side; no
+named semaphores are involved (``ProcessPoolExecutor`` would create five in /dev/shm,
+left behind whenever the service's whole process group is killed).
+
 The child ignores SIGINT and SIGTERM (the service decides when to stop, and stops it
-after the last batch), and it exits within a second of the service's death, also after
-a ``kill -9`` of the service (it watches its parent pid: an orphan would otherwise wait
-on its pipe for ever). If the child dies, :class:`StageFailed` is raised from the next
-call or result: nothing was committed for the records in flight, so they are read again
-after a restart.
+after the last batch); it leaves when its request pipe closes, which also happens when
+the service dies by ``kill -9``. If the child dies, :class:`StageFailed` is raised from
+the next call or result: nothing was committed for the records in flight, so they are
+read again after a restart.
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ import os
 import signal
 import tempfile
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from monitor.access import Keyring, ScopePolicy
@@ -60,8 +62,8 @@ CHUNK_RECORDS = 64
 #: the shared ring that carries record values to the child; a value larger than the
 #: ring goes through the pipe instead
 RING_BYTES = 32 * 1024 * 1024
-#: how often the child checks that the service is still its parent
-PARENT_CHECK_S = 0.5
+#: how long closing waits for the child to leave before it is killed
+STOP_TIMEOUT_S = 10.0
 #: a record in the ring: topic, partition, offset, start, length
 Placed = tuple[str, int, int, int, int]
 
@@ -97,14 +99,18 @@ class StageRunner:
             raise ValueError(f"processes must be 0 (a thread) or 1 (a child process), got {processes}")
         self._local: TraceStage | None = None
         self._ring: _Ring | None = None
-        self._executor: Executor
+        self._child: _Child | None = None
+        self._thread: ThreadPoolExecutor | None = None
         if processes:
             self._ring = _Ring(RING_BYTES)
-            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_child_init, initargs=(spec, self._ring.path))
+            try:
+                self._child = _Child(spec, self._ring.path)
+            except BaseException:
+                self._ring.unlink()
+                raise
         else:
             self._local = spec.build()
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="stage")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._contracts_version = -1
         try:
             self.ping()  # start the worker now: a stage that cannot start fails the service at once
@@ -115,10 +121,7 @@ class StageRunner:
     @property
     def child_pid(self) -> int | None:
         """The measuring process's pid (None when the stage runs in a thread)."""
-        if not isinstance(self._executor, ProcessPoolExecutor):
-            return None
-        processes = getattr(self._executor, "_processes", None) or {}
-        return next(iter(processes), None)
+        return None if self._child is None else self._child.process.pid
 
     @property
     def ring_path(self) -> str | None:
@@ -173,33 +176,100 @@ class StageRunner:
         self.wait(self._call("ping"))
 
     def check(self) -> None:
-        """Raise :class:`StageFailed` if the measuring process has died (a cheap call:
-        the pool refuses new work as soon as it notices a dead worker)."""
-        self._call("ping")
+        """Raise :class:`StageFailed` if the measuring process has died (a flag read: its
+        results pipe closing tells at once)."""
+        if self._child is not None:
+            self._child.check()
 
     @staticmethod
     def wait(future: Future[Any]) -> Any:
-        try:
-            return future.result()
-        except BrokenProcessPool as exc:
-            raise StageFailed(f"the measuring process died: {exc}") from exc
+        return future.result()
 
     def results(self, futures: list[Future[list[Result]]]) -> Iterator[Result]:
         for future in futures:
             yield from self.wait(future)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._child is not None:
+            self._child.close()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
         if self._ring is not None:
             self._ring.close()
 
     def _call(self, method: str, *args: Any) -> Future[Any]:
-        try:
-            if self._local is not None:
-                return self._executor.submit(_call, self._local, method, *args)
-            return self._executor.submit(_child_call, method, *args)
-        except BrokenProcessPool as exc:
-            raise StageFailed(f"the measuring process died: {exc}") from exc
+        if self._child is not None:
+            return self._child.call(method, args)
+        assert self._thread is not None and self._local is not None
+        return self._thread.submit(_call, self._local, method, *args)
+
+
+class _Child:
+    """The spawned measuring process, serving calls one after the other: requests go
+    down one pipe, results come back up another, where a thread matches them to the
+    futures waiting in order."""
+
+    def __init__(self, spec: StageSpec, ring_path: str):
+        ctx = multiprocessing.get_context("spawn")
+        requests, self._requests = ctx.Pipe(duplex=False)
+        self._results, results = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(requests, results, spec, ring_path),
+                                   name="attention-monitor-stage", daemon=True)
+        self.process.start()
+        requests.close()  # only the child holds these ends now: its exit closes them
+        results.close()
+        self._waiting: deque[Future[Any]] = deque()
+        self._send = threading.Lock()
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="stage-results", daemon=True)
+        self._reader.start()
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._send:
+            self.check()
+            self._waiting.append(future)  # before sending: the reader may answer at once
+            try:
+                self._requests.send((method, args))
+            except OSError as exc:
+                self._fail(f"cannot reach it: {exc}")
+        return future
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise StageFailed(f"the measuring process died: {self._failure}")
+
+    def close(self) -> None:
+        if self._failure is None:
+            with contextlib.suppress(OSError):
+                self._requests.send(("stop", ()))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._requests.close()
+        self._reader.join(STOP_TIMEOUT_S)
+        self._results.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ok, value = self._results.recv()
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                self._fail(f"exit code {self.process.exitcode}")
+                return
+            future = self._waiting.popleft()
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+        while self._waiting:
+            self._waiting.popleft().set_exception(StageFailed(f"the measuring process died: {self._failure}"))
 
 
 class _Ring:
@@ -210,8 +280,14 @@ class _Ring:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="attention-monitor-ring-", dir=folder)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: a full tmpfs must fail here, with a message, not
+            # with SIGBUS at the first write into the mapping.
+            os.posix_fallocate(fd, 0, size)
             self.buffer = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.unlink(self.path)
+            raise StageFailed(f"cannot reserve {size} bytes for the shared ring in "
+                              f"{folder or tempfile.gettempdir()}: {exc}") from exc
         finally:
             os.close(fd)
         self.size = size
@@ -243,39 +319,39 @@ class _Ring:
         self.buffer.close()
 
 
-# --- in the worker ---------------------------------------------------------------------
-
-_STAGE: TraceStage | None = None
-_RING: memoryview | None = None
+# --- in the measuring process ----------------------------------------------------------
 
 
-def _child_init(spec: StageSpec, ring_path: str) -> None:
-    global _STAGE, _RING
+def _serve(requests: Connection, results: Connection, spec: StageSpec, ring_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[stage]: %(message)s")
     if spec.reuse_freed_memory:
         reuse_freed_memory()
     with open(ring_path, "r+b") as f:
-        _RING = memoryview(mmap.mmap(f.fileno(), 0))
-    _STAGE = spec.build()
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
-
-
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_CHECK_S)
-    os._exit(0)
-
-
-def _child_call(method: str, *args: Any) -> Any:
-    assert _STAGE is not None, "the stage process was not initialised"
-    if method == "run_placed":
-        assert _RING is not None
-        ring = _RING
-        return _STAGE.run_many([Record(topic, partition, offset, None, ring[start : start + length])
-                                for topic, partition, offset, start, length in args[0]])
-    return _call(_STAGE, method, *args)
+        ring = memoryview(mmap.mmap(f.fileno(), 0))
+    stage = spec.build()
+    while True:
+        try:
+            method, args = requests.recv()
+        except (EOFError, OSError):
+            return  # the service is gone
+        if method == "stop":
+            return
+        try:
+            if method == "run_placed":
+                value = stage.run_many([Record(topic, partition, offset, None, ring[start : start + length])
+                                        for topic, partition, offset, start, length in args[0]])
+            else:
+                value = _call(stage, method, *args)
+            reply: tuple[bool, Any] = (True, value)
+        except Exception as exc:  # a bug, not a record: the caller's future raises it
+            log.exception("stage call %s failed", method)
+            reply = (False, RuntimeError(f"stage call {method} failed: {type(exc).__name__}: {exc}"))
+        try:
+            results.send(reply)
+        except (OSError, ValueError):
+            return
 
 
 def _call(stage: TraceStage, method: str, *args: Any) -> Any:

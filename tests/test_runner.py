@@ -135,7 +135,7 @@ def test_the_child_ignores_sigint_and_a_dead_child_is_reported(child):
         child.state()
 
 
-def test_the_child_and_the_ring_go_when_the_service_is_killed(tmp_path):
+def test_the_child_goes_and_nothing_stays_in_dev_shm_when_the_service_is_killed():
     script = textwrap.dedent("""
         import sys, time
         from tests.test_runner import spec
@@ -144,7 +144,11 @@ def test_the_child_and_the_ring_go_when_the_service_is_killed(tmp_path):
         print(r.child_pid, r.ring_path, flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    # A new session, killed as a whole group: as systemd or a terminal would kill it
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         line = proc.stdout.readline().split()
         assert len(line) == 2, line
@@ -152,9 +156,30 @@ def test_the_child_and_the_ring_go_when_the_service_is_killed(tmp_path):
         assert not os.path.exists(ring)  # unlinked once the child had mapped it
         assert _alive(pid)
     finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    wait_for(lambda: not _alive(pid), timeout=20, what="the measuring process gone")
+    after = set(shm.iterdir()) if shm.is_dir() else set()
+    assert after - before == set()  # no semaphore, no ring left behind
+
+
+def test_the_child_leaves_when_only_the_service_is_killed():
+    script = textwrap.dedent("""
+        import sys, time
+        from tests.test_runner import spec
+        from monitor.runner import StageRunner
+        r = StageRunner(spec(), processes=1)
+        print(r.child_pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert _alive(pid)
+    finally:
         proc.kill()
         proc.wait()
-    wait_for(lambda: not _alive(pid), timeout=20, what="the measuring process to exit after its parent died")
+    wait_for(lambda: not _alive(pid), timeout=20, what="the measuring process to leave after its parent died")
 
 
 def _alive(pid: int) -> bool:
@@ -169,3 +194,20 @@ def test_a_runner_needs_a_known_mode():
     with pytest.raises(ValueError, match="processes must be 0"):
         StageRunner(spec(), processes=2)
 
+
+
+def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
+    # A file size limit below the ring's size makes the reservation fail for real, as a
+    # full /dev/shm would (Python ignores SIGXFSZ, so the call fails with EFBIG).
+    script = textwrap.dedent("""
+        import resource
+        from monitor.runner import StageFailed, StageRunner
+        from tests.test_runner import spec
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            StageRunner(spec(), processes=1)
+        except StageFailed as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "cannot reserve 33554432 bytes for the shared ring" in out.stdout, out.stdout + out.stderr
