@@ -139,13 +139,13 @@ class Service:
                 reader.refresh()
                 runner.check()  # a dead measuring process stops the service even when no traffic comes
                 runner.sync_contracts(self.contracts)
-                traces = [r for r in records if r.topic == self.topics.traces]
-                measuring = None if revoked or assigned else runner.submit(traces)
+                rebalanced = bool(revoked or assigned)
+                early = None if rebalanced else runner.submit(self._traces(records))
                 if running is not None:
                     self._complete(running.result(), consumer, producer)
-                self._apply_rebalance(consumer, revoked, assigned)
-                if measuring is None:
-                    measuring = runner.submit(traces)
+                if rebalanced:
+                    records = self._apply_rebalance(consumer, revoked, assigned, records)
+                measuring = early if early is not None else runner.submit(self._traces(records))
                 self.metrics.contracts.set(len(self.contracts))
                 self.metrics.lag.set(consumer.lag(self.topics.traces))
                 self.ready.set()
@@ -154,6 +154,9 @@ class Service:
             if running is not None:
                 self._complete(running.result(), consumer, producer)
         log.info("stop requested: last batch flushed and committed")
+
+    def _traces(self, records: list[Record]) -> list[Record]:
+        return [r for r in records if r.topic == self.topics.traces]
 
     def _process(self, records: list[Record], measuring: list[Future[list[Result]]],
                  positions: dict[tuple[str, int], int]) -> _Batch:
@@ -184,14 +187,20 @@ class Service:
             self.metrics.commits.inc()
 
     def _apply_rebalance(self, consumer: GroupConsumer, revoked: set[tuple[str, int]],
-                         assigned: set[tuple[str, int]]) -> None:
-        """Act on assignment changes, with the worker idle. A revocation only parks the
-        partitions: the rebalance is complete when the new assignment arrives, and only
-        then is the state of partitions that went elsewhere dropped."""
+                         assigned: set[tuple[str, int]], records: list[Record]) -> list[Record]:
+        """Act on assignment changes, with the worker idle; returns the records of the
+        poll that brought them which are still to be processed. A revocation only parks
+        the partitions: the rebalance is complete when the new assignment arrives, and
+        only then is the state of partitions that went elsewhere dropped.
+
+        Kept partitions resume where this instance left off. The poll that brought the
+        rebalance may already hold records of them, read from wherever the consumer's
+        position was reset to: those below the position reached are dropped (processed
+        already), and the partition resumes after the last one kept, never before it."""
         if revoked or assigned:
             self.metrics.rebalances.inc()
         if not assigned:
-            return
+            return records
         lost = self._parked - assigned
         kept = assigned & self._owned
         new = assigned - self._owned
@@ -200,13 +209,21 @@ class Service:
         dropped = self.pipeline.drop_partitions({p for t, p in lost if t == self.topics.traces})
         if self.runner is not None:
             self.runner.forget(dropped)
-        consumer.seek({tp: consumer.positions[tp] for tp in kept if tp in consumer.positions})
+        reached = {tp: consumer.positions[tp] for tp in kept if tp in consumer.positions}
+        records = [r for r in records if (r.topic, r.partition) in assigned
+                   and r.offset >= reached.get((r.topic, r.partition), -1)]
+        for r in records:
+            tp = (r.topic, r.partition)
+            if tp in reached:
+                reached[tp] = max(reached[tp], r.offset + 1)
+        consumer.seek(reached)
         if new:
             committed = consumer.committed(new)
             found = emitted_sources(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
                                     new, committed, self.settings.dedupe_window)
             self.pipeline.already_emitted |= found
             log.info("assigned %s; %d outputs already written for them", sorted(new), len(found))
+        return records
 
     def _load_state(self) -> dict[str, Any] | None:
         if self._state_path is None or not self._state_path.exists():
