@@ -217,6 +217,8 @@ class Service:
             if tp in reached:
                 reached[tp] = max(reached[tp], r.offset + 1)
         consumer.seek(reached)
+        if kept:
+            log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(kept))
         if new:
             committed = consumer.committed(new)
             found = emitted_sources(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
