@@ -92,6 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="best of N timings (default 5)")
     parser.add_argument("--skip-scipy", action="store_true", help="leave out the slow scipy reference")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each pass over one cache-sized block of [32, 64, 4096] against the floor")
     args = parser.parse_args()
     try:
         import torch
@@ -123,6 +125,46 @@ def main() -> None:
               f"{floor / n * 1e9:9.2f} {ours / floor:7.2f} {scipy_ratio:>8} {torch_ratio:>8}")
     print("x floor: our time / log-floor time (target <= 2 on [32, 64, 4096]); "
           "scipy x / torch x: their time / ours (targets >= 5 / >= 2).")
+    if args.breakdown:
+        breakdown(args.repeats)
+
+
+def _twenty(run: Callable[[], object]) -> Callable[[], object]:
+    return lambda: [run() for _ in range(20)]
+
+
+def breakdown(repeats: int) -> None:
+    """Each pass ``reduce_block`` makes over a block of two rows of [32, 64, 4096], in
+    ns per element and as a multiple of the log floor (measured on the whole trace)."""
+    from monitor.core._blocks import _TINY, F32, to_float32
+
+    w16, valid = causal_traces(1, 32, 64, 4096)
+    block = w16[:, :, :2]
+    mask = np.broadcast_to(valid[:2], block.shape)
+    w, o = np.empty(block.shape, F32), np.empty(block.shape, F32)
+    scratch = Scratch()
+    edge, ones = scratch.edge(w.size), scratch.ones(4096)
+    to_float32(block, w, mask, o, edge)
+    rows = o.transpose(0, 2, 1, 3)
+    passes: dict[str, Callable[[], object]] = {
+        "float16 -> float32, masked": lambda: to_float32(block, w, mask, o, edge),
+        "row sums (BLAS)": lambda: np.matmul(w, ones),
+        "row maxima": lambda: w.max(axis=-1),
+        "log (of w + tiny)": lambda: np.log(np.add(w, _TINY, out=o), out=o),
+        "w . log w (BLAS)": lambda: np.matmul(w[..., None, :], o[..., :, None]),
+        "sqrt": lambda: np.sqrt(w, out=o),
+        "Gram matrix per row (BLAS)": lambda: np.matmul(rows, rows.transpose(0, 1, 3, 2)),
+    }
+    whole = np.random.default_rng(1).random((32, 64, 4096), dtype=np.float32)
+    out = np.empty_like(whole)
+    floor = best_of(lambda: np.log(whole, out=out), repeats) / whole.size * 1e9
+    print(f"\npasses over one block of [32, 64, 4096] (log floor {floor:.2f} ns/elem):")
+    total = 0.0
+    for name, run in passes.items():
+        cost = best_of(_twenty(run), repeats) / 20 / block.size * 1e9
+        total += cost
+        print(f"  {name:28s} {cost:5.2f} ns/elem {cost / floor:5.2f}x floor")
+    print(f"  {'together':28s} {total:5.2f} ns/elem {total / floor:5.2f}x floor")
 
 
 if __name__ == "__main__":
