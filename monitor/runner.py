@@ -166,14 +166,14 @@ class StageRunner:
 
     def state(self) -> dict[str, Any]:
         """The detector's reference state, after everything submitted so far."""
-        result: dict[str, Any] = self.wait(self.state_future())
+        result: dict[str, Any] = self.state_future().result()
         return result
 
     def state_future(self) -> Future[dict[str, Any]]:
         return self._call("state")
 
     def ping(self) -> None:
-        self.wait(self._call("ping"))
+        self._call("ping").result()
 
     def check(self) -> None:
         """Raise :class:`StageFailed` if the measuring process has died (a flag read: its
@@ -181,13 +181,9 @@ class StageRunner:
         if self._child is not None:
             self._child.check()
 
-    @staticmethod
-    def wait(future: Future[Any]) -> Any:
-        return future.result()
-
     def results(self, futures: list[Future[list[Result]]]) -> Iterator[Result]:
         for future in futures:
-            yield from self.wait(future)
+            yield from future.result()
 
     def close(self) -> None:
         if self._child is not None:
@@ -304,7 +300,7 @@ class _Ring:
                 end = start + n
                 if end <= self.size and all(e <= start or end <= b for b, e, _ in self._held):
                     return start
-            StageRunner.wait(self._held[0][2])
+            self._held[0][2].result()
 
     def hold(self, start: int, end: int, future: Future[Any]) -> None:
         self._held.append((start, end, future))

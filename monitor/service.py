@@ -244,7 +244,7 @@ class Service:
         if self.runner is None or self._state_path is None:
             return
         if self._state_saving is not None and self._state_saving.done():
-            self._write_state(self.runner.wait(self._state_saving))
+            self._write_state(self._state_saving.result())
             self._state_saving = None
         if self._state_saving is None and time.monotonic() - self._saved_at >= self.settings.state_save_interval_s:
             self._saved_at = time.monotonic()
