@@ -13,6 +13,7 @@ from scipy.stats import entropy as scipy_entropy
 import monitor.core.metrics as metrics
 from monitor.core._blocks import to_float32
 from monitor.core.metrics import group_similarity, head_metrics, js_similarity
+from monitor.core.mass import row_mass
 from tests.core.reference import reference_metrics
 
 FIELDS = ("entropy", "concentration", "sink_share", "similarity", "diversity", "effective_heads")
@@ -247,8 +248,6 @@ def test_property_matches_reference_and_stays_in_range(trace):
 @settings(max_examples=60, deadline=None)
 @given(traces())
 def test_row_masses_from_the_metrics_pass_equal_the_separate_check(trace):
-    from monitor.core.mass import row_mass
-
     w, valid = trace
     if valid is None:
         valid = np.ones(w.shape, bool)
@@ -257,3 +256,23 @@ def test_row_masses_from_the_metrics_pass_equal_the_separate_check(trace):
     np.testing.assert_allclose(m.row_mass, shown, atol=1e-6)
     np.testing.assert_allclose(m.hidden_mass, hidden, atol=1e-6)
     assert head_metrics(w, valid).row_mass is None
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_hidden_mass_is_found_in_the_one_block_that_carries_it(dtype):
+    # one row per block: the rows without hidden weight take the short path, the row
+    # with some takes the other; both must agree with the separate check
+    rng = np.random.default_rng(3)
+    h, r, k = 2, 3, 1 << 17
+    w = rng.random((h, r, k))
+    valid = np.ones((r, k), bool)
+    valid[:, k // 2 :] = False
+    w[:, [0, 2], k // 2 :] = 0
+    w = (w / w.sum(-1, keepdims=True)).astype(dtype)
+    m = head_metrics(w, valid, with_mass=True)
+    shown, hidden = row_mass(w, valid)
+    assert hidden[:, 1].min() > 0.4 and hidden[:, [0, 2]].max() == 0
+    np.testing.assert_allclose(m.hidden_mass, hidden, atol=1e-6)
+    np.testing.assert_allclose(m.row_mass, shown, rtol=1e-5)
+    peak = np.where(valid, w.astype(np.float64), 0).max(-1) / shown
+    np.testing.assert_allclose(m.concentration, peak.mean(-1), rtol=1e-6)
