@@ -135,7 +135,12 @@ def _twenty(run: Callable[[], object]) -> Callable[[], object]:
 
 def breakdown(repeats: int) -> None:
     """Each pass ``reduce_block`` makes over a block of two rows of [32, 64, 4096], in
-    ns per element and as a multiple of the log floor (measured on the whole trace)."""
+    ns per element and as a multiple of the log floor (measured on the whole trace).
+
+    Two of them no exact implementation in numpy can skip: entropy takes the log of
+    every weight, and the similarity of 32 heads takes 16 multiply-adds per weight,
+    which BLAS's Gram product (the fastest numpy has) does at the speed printed. Their
+    sum is printed as a lower bound."""
     from monitor.core._blocks import _TINY, F32, to_float32
 
     w16, valid = causal_traces(1, 32, 64, 4096)
@@ -160,11 +165,15 @@ def breakdown(repeats: int) -> None:
     floor = best_of(lambda: np.log(whole, out=out), repeats) / whole.size * 1e9
     print(f"\npasses over one block of [32, 64, 4096] (log floor {floor:.2f} ns/elem):")
     total = 0.0
+    costs = {}
     for name, run in passes.items():
-        cost = best_of(_twenty(run), repeats) / 20 / block.size * 1e9
+        costs[name] = cost = best_of(_twenty(run), repeats) / 20 / block.size * 1e9
         total += cost
         print(f"  {name:28s} {cost:5.2f} ns/elem {cost / floor:5.2f}x floor")
     print(f"  {'together':28s} {total:5.2f} ns/elem {total / floor:5.2f}x floor")
+    least = costs["log (of w + tiny)"] + costs["Gram matrix per row (BLAS)"]
+    print(f"least any numpy implementation pays: a log of every weight (entropy) and a Gram product (similarity), "
+          f"{least / floor:.2f}x floor, before converting float16 or anything else")
 
 
 if __name__ == "__main__":
