@@ -12,8 +12,8 @@ from scipy.stats import entropy as scipy_entropy
 
 import monitor.core.metrics as metrics
 from monitor.core._blocks import to_float32
-from monitor.core.metrics import group_similarity, head_metrics, js_similarity
 from monitor.core.mass import row_mass
+from monitor.core.metrics import group_similarity, head_metrics, js_similarity
 from tests.core.reference import reference_metrics
 
 FIELDS = ("entropy", "concentration", "sink_share", "similarity", "diversity", "effective_heads")
