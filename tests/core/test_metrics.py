@@ -169,6 +169,21 @@ def test_batches_equal_single_traces_and_blocks_do_not_matter(monkeypatch):
         np.testing.assert_allclose(getattr(again, name), getattr(whole, name), atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("largest", [0, 1 << 30])
+def test_both_gram_products_give_the_reference_similarity(monkeypatch, largest):
+    # 0: every row through BLAS's symmetric product; 2**30: through the general one
+    import monitor.core._blocks as blocks
+
+    monkeypatch.setattr(blocks, "GENERAL_PRODUCT_MAX", largest)
+    rng = np.random.default_rng(11)
+    valid = causal(6, 300)
+    w = masked_softmax_like(rng, 7, 6, 300, valid, np.float32)
+    got = head_metrics(w, valid)
+    want = reference_metrics(w, valid)
+    np.testing.assert_allclose(got.similarity, want["similarity"], atol=1e-5)
+    np.testing.assert_array_equal(got.similarity, got.similarity.T)
+
+
 def test_float16_conversion_is_exact_for_every_finite_non_negative_value():
     values = np.arange(0x7C00, dtype=np.uint16).view(np.float16)
     out = np.empty(values.shape, np.float32)
