@@ -275,8 +275,8 @@ def test_row_masses_from_the_metrics_pass_equal_the_separate_check(trace):
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_hidden_mass_is_found_in_the_one_block_that_carries_it(dtype):
-    # one row per block: the rows without hidden weight take the short path, the row
-    # with some takes the other; both must agree with the separate check
+    # one row per block, and only the middle row puts weight on hidden keys: the
+    # metrics pass must find it there and nowhere else, as the separate check does
     rng = np.random.default_rng(3)
     h, r, k = 2, 3, 1 << 17
     w = rng.random((h, r, k))
