@@ -362,4 +362,3 @@ def _call(stage: TraceStage, method: str, *args: Any) -> Any:
     if method == "ping":
         return None
     raise ValueError(f"unknown stage call {method!r}")
-

@@ -34,6 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from monitor.broker.consumer import ContractReader, GroupConsumer, OutputProducer, emitted_sources
+from monitor.core.detect import Detector
 from monitor.errors import InfrastructureError
 from monitor.exporter import MonitorMetrics
 from monitor.http import MetricsServer
@@ -232,9 +233,10 @@ class Service:
             return None
         try:
             state: dict[str, Any] = json.loads(self._state_path.read_text())
+            Detector(self.settings.detector()).merge_state(state)  # refused here, not by the stage at its start
             log.info("reference state loaded from %s", self._state_path)
             return state
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring unreadable reference state %s: %s", self._state_path, exc)
             return None
 

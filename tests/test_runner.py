@@ -195,7 +195,6 @@ def test_a_runner_needs_a_known_mode():
         StageRunner(spec(), processes=2)
 
 
-
 def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
     # A file size limit below the ring's size makes the reservation fail for real, as a
     # full /dev/shm would (Python ignores SIGXFSZ, so the call fails with EFBIG).
