@@ -26,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,9 @@ class Service:
         self._state_path = _state_path(settings)
         self._owned: set[tuple[str, int]] = set()
         self._parked: set[tuple[str, int]] = set()
+        #: next offset to read of each partition, after the batches accounted for so far
+        #: (the pipeline thread's view; consumer.positions follows it batch by batch)
+        self._progress: dict[tuple[str, int], int] = {}
         self._saved_at = time.monotonic()
 
     def request_stop(self, *_: Any) -> None:
@@ -124,15 +128,18 @@ class Service:
             server.stop()
 
     def _loop(self, consumer: GroupConsumer, reader: ContractReader, producer: OutputProducer) -> None:
-        """Poll batch N+1 and hand its traces to the stage at once, while a thread
-        accounts for batch N; then flush and commit N. After a rebalance the stage gets
-        N+1 only once the rebalance has been acted on. Pipeline state is only touched by
-        that thread, or while it is idle."""
+        """Poll a batch and hand its traces to the stage at once, while a thread accounts
+        for earlier batches (exporter, join, outputs); flush and commit those in order.
+        Up to ``batches_in_flight`` polled batches are measured or accounted for at once,
+        so the measuring process always has the next one queued. A rebalance waits for
+        every batch in flight, then is acted on, and only then does the stage get the
+        poll that brought it. Pipeline state is only touched by that thread, or while it
+        is idle."""
         s = self.settings
         runner = self.runner
         assert runner is not None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline") as worker:
-            running: Future[_Batch] | None = None
+            running: deque[Future[_Batch]] = deque()
             while not self.stopping.is_set():
                 records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
                 revoked, assigned = consumer.changes.take()
@@ -140,27 +147,26 @@ class Service:
                 reader.refresh()
                 runner.check()  # a dead measuring process stops the service even when no traffic comes
                 runner.sync_contracts(self.contracts)
-                rebalanced = bool(revoked or assigned)
-                early = None if rebalanced else runner.submit(self._traces(records))
-                if running is not None:
-                    self._complete(running.result(), consumer, producer)
-                if rebalanced:
+                if revoked or assigned:
+                    while running:
+                        self._complete(running.popleft().result(), consumer, producer)
                     records = self._apply_rebalance(consumer, revoked, assigned, records)
-                measuring = early if early is not None else runner.submit(self._traces(records))
+                measuring = runner.submit(self._traces(records))
+                running.append(worker.submit(self._process, records, measuring))
+                while len(running) > s.batches_in_flight or (running and running[0].done()):
+                    self._complete(running.popleft().result(), consumer, producer)
                 self.metrics.contracts.set(len(self.contracts))
                 self.metrics.lag.set(consumer.lag(self.topics.traces))
                 self.ready.set()
                 self._maybe_save_state()
-                running = worker.submit(self._process, records, measuring, dict(consumer.positions))
-            if running is not None:
-                self._complete(running.result(), consumer, producer)
+            while running:
+                self._complete(running.popleft().result(), consumer, producer)
         log.info("stop requested: last batch flushed and committed")
 
     def _traces(self, records: list[Record]) -> list[Record]:
         return [r for r in records if r.topic == self.topics.traces]
 
-    def _process(self, records: list[Record], measuring: list[Future[list[Result]]],
-                 positions: dict[tuple[str, int], int]) -> _Batch:
+    def _process(self, records: list[Record], measuring: list[Future[list[Result]]]) -> _Batch:
         assert self.runner is not None
         results = self.runner.results(measuring)
         outputs = []
@@ -169,9 +175,9 @@ class Service:
                 outputs += self.pipeline.apply(record, next(results))
             else:
                 outputs += self.pipeline.process(record)
-            positions[(record.topic, record.partition)] = record.offset + 1
+            self._progress[(record.topic, record.partition)] = record.offset + 1
         outputs += self.pipeline.expire()
-        return _Batch(outputs, positions, self.pipeline.committable(positions))
+        return _Batch(outputs, dict(self._progress), self.pipeline.committable(self._progress))
 
     def _complete(self, batch: _Batch, consumer: GroupConsumer, producer: OutputProducer) -> None:
         """Flush a batch's outputs, then commit what it allows, for partitions still
@@ -218,6 +224,7 @@ class Service:
             if tp in reached:
                 reached[tp] = max(reached[tp], r.offset + 1)
         consumer.seek(reached)
+        self._progress = {tp: o for tp, o in consumer.positions.items() if tp in assigned}
         if kept:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(kept))
         if new:
