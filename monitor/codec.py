@@ -130,8 +130,13 @@ def decode(
 
 
 def _parse_header(raw: memoryview) -> TraceHeader:
+    text = bytes(raw)
     try:
-        doc: Any = json.loads(bytes(raw))
+        return TraceHeader.model_validate_json(text)  # one pass, for the headers that are valid
+    except ValidationError:
+        pass  # find out why, and say it as the checks below do
+    try:
+        doc: Any = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise TraceRejected(RejectReason.MALFORMED, "header is not JSON") from exc
     if not isinstance(doc, dict):
