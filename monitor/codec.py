@@ -91,12 +91,16 @@ def decode(
     contracts: ContractLookup,
     limits: Limits | None = None,
     check_mass: bool = True,
+    check_values: bool = True,
 ) -> Trace:
     """Verify and validate one record; raise :class:`TraceRejected` otherwise.
 
     ``check_mass=False`` leaves the masked-mass and row-sum checks to the caller, who
     runs :func:`check_mass` on the row masses it measures anyway (the pipeline gets them
-    from the metrics pass, so each trace is converted once).
+    from the metrics pass, so each trace is converted once). ``check_values=False``
+    leaves the NaN, infinity and negative-weight checks to the caller: the metrics core
+    refuses such weights in its own pass, and the caller then runs :func:`check_values`
+    to say which fault it was.
     """
     limits = limits or Limits()
     frame = wire.unpack(data, limits.max_record_bytes, limits.max_header_bytes)
@@ -115,11 +119,8 @@ def decode(
                                 f"scope {header.scope.tenant}:{header.scope.data_class} is not allowed here")
         contract, layer = _contract(header, contracts)
         valid = valid_keys(header)
-        fault = value_fault(weights)
-        if fault == "non_finite":
-            raise TraceRejected(RejectReason.NON_FINITE, "weights contain NaN or infinity")
-        if fault == "negative":
-            raise TraceRejected(RejectReason.NEGATIVE, "weights contain negative values")
+        if check_values:
+            _check_values(weights)
         if check_mass:
             shown, hidden = row_mass(weights, valid)
             _check_mass(header, shown, hidden, valid, limits)
@@ -194,6 +195,24 @@ def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelCont
         raise TraceRejected(RejectReason.KV_GROUP_MISMATCH, f"KV groups differ from the contract's for layer "
                             f"{layer.layer}")
     return contract, layer
+
+
+def check_values(trace: Trace) -> None:
+    """The NaN, infinity and negative-weight checks of :func:`decode`, on a decoded
+    trace; raises :class:`TraceRejected` (with the header attached)."""
+    try:
+        _check_values(trace.weights)
+    except TraceRejected as exc:
+        exc.header = trace.header
+        raise
+
+
+def _check_values(weights: NDArray[np.generic]) -> None:
+    fault = value_fault(weights)
+    if fault == "non_finite":
+        raise TraceRejected(RejectReason.NON_FINITE, "weights contain NaN or infinity")
+    if fault == "negative":
+        raise TraceRejected(RejectReason.NEGATIVE, "weights contain negative values")
 
 
 def check_mass(trace: Trace, shown: NDArray[np.float64], hidden: NDArray[np.float64], limits: Limits) -> None:

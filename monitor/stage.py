@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, Trace, check_mass, decode
+from monitor.codec import Limits, Trace, check_mass, check_values, decode
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Anomaly, Detector, Observation
 from monitor.core.join import RecentKeys
@@ -112,7 +112,8 @@ class TraceStage:
     def _decode(self, record: Record) -> Trace | Rejected | Duplicate:
         try:
             trace = decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
-                           contracts=self.contracts.get, limits=self.limits, check_mass=False)
+                           contracts=self.contracts.get, limits=self.limits, check_mass=False,
+                           check_values=False)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:
@@ -155,6 +156,7 @@ class TraceStage:
         started = time.perf_counter()
         try:
             if isinstance(metrics, Exception):
+                check_values(trace)  # weights the core refused: say which fault, as decode would
                 raise metrics
             measured = self._measure(record, trace, metrics)
         except TraceRejected as exc:

@@ -65,3 +65,24 @@ def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
     assert [type(r) for r in results] == [Measured, Rejected, Measured, Measured, Measured]
     assert results[1].reason is RejectReason.MALFORMED
     assert results[1].header is not None  # the header verified; it goes to the dead letter
+
+
+def test_value_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons():
+    """decode leaves the value checks to the metrics core here; a batch holding a NaN
+    and a negative weight still gives every good trace its metrics and each bad one
+    decode's own reason, with its header for the dead letter."""
+    from monitor.codec import encode
+    from tests.factories import KEY_ID, SECRET, make_trace
+
+    values = []
+    for i in range(5):
+        header, weights = make_trace(i, dtype="float32" if i == 3 else "float16")
+        if i == 1:
+            weights[1, 2, 0] = np.nan
+        if i == 3:
+            weights[0, 0, 0] = -0.25
+        values.append(encode(header, weights, KEY_ID, SECRET))
+    results = make_stage().run_many([Record("traces", 0, i, b"k", v) for i, v in enumerate(values)])
+    assert [type(r) for r in results] == [Measured, Rejected, Measured, Rejected, Measured]
+    assert (results[1].reason, results[3].reason) == (RejectReason.NON_FINITE, RejectReason.NEGATIVE)
+    assert results[1].header is not None and results[3].header is not None
