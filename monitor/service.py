@@ -13,8 +13,9 @@ missing or not authorized, or writing outputs failed after retries; 4 the proces
 measures traces died.
 
 The trace stage (decode, metrics, detection) runs in a child process by default
-(:mod:`monitor.runner`): the service polls batch N+1 and the child measures it while a
-thread of the service accounts for batch N (exporter, join, outputs).
+(:mod:`monitor.runner`): the service polls the next batch and the child measures it while
+a thread of the service accounts for earlier ones (exporter, join, outputs), up to
+``batches_in_flight`` batches at once.
 """
 
 from __future__ import annotations

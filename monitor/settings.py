@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
     batches_in_flight: int = Field(2, gt=0, description="polled batches measured or accounted for at once; more "
-                                   "keep the measuring process busy, each holds up to a fetch of memory")
+                                   "keep the measuring process busy, each holds one poll's records in memory")
     startup_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the broker at start")
 
     # Access
