@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -158,14 +158,13 @@ class TraceStage:
             if isinstance(metrics, Exception):
                 check_values(trace)  # weights the core refused: say which fault, as decode would
                 raise metrics
-            measured = self._measure(record, trace, metrics)
+            return self._measure(record, trace, metrics, spent, started)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:  # a verified record must not stop the partition either
             log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
                       exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
-        return replace(measured, seconds=spent + time.perf_counter() - started)
 
     def forget(self, trace_ids: list[str]) -> None:
         """Let these traces through again (their partition went elsewhere un-committed)."""
@@ -178,7 +177,8 @@ class TraceStage:
             table.add(contract)
         self.contracts = table
 
-    def _measure(self, record: Record, trace: Trace, m: HeadMetrics) -> Measured:
+    def _measure(self, record: Record, trace: Trace, m: HeadMetrics, spent: float, started: float) -> Measured:
+        """Judge a measured trace; ``spent`` is its share of the time before ``started``."""
         h = trace.header
         assert m.row_mass is not None and m.hidden_mass is not None
         check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
@@ -186,7 +186,8 @@ class TraceStage:
             h.model_id, h.model_revision, h.layer, h.key_count, h.heads, m.entropy, m.concentration,
             m.sink_share, m.similarity, float(m.diversity)))
         return Measured(trace_identity(trace, record), tuple(h.heads), m.entropy.tolist(), m.concentration.tolist(),
-                        m.sink_share.tolist(), float(m.diversity), float(m.effective_heads), 0.0, anomalies)
+                        m.sink_share.tolist(), float(m.diversity), float(m.effective_heads),
+                        spent + time.perf_counter() - started, anomalies)
 
 
 def _split(m: HeadMetrics) -> list[HeadMetrics]:

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 import monitor.stage as stage_module
+from monitor.codec import encode
 from monitor.core.detect import Detector, DetectorConfig
 from monitor.errors import RejectReason
 from monitor.model_contract import ContractTable
 from monitor.stage import Duplicate, Measured, Record, Rejected, TraceStage
-from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
+from tests.factories import CONTRACT, KEY_ID, KEYRING, SCOPES, SECRET, make_record, make_trace
 
 
 def make_stage() -> TraceStage:
@@ -71,9 +72,6 @@ def test_value_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons():
     """decode leaves the value checks to the metrics core here; a batch holding a NaN
     and a negative weight still gives every good trace its metrics and each bad one
     decode's own reason, with its header for the dead letter."""
-    from monitor.codec import encode
-    from tests.factories import KEY_ID, SECRET, make_trace
-
     values = []
     for i in range(5):
         header, weights = make_trace(i, dtype="float32" if i == 3 else "float16")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from monitor.core.join import JoinBuffer, RecentKeys
 
 
@@ -55,8 +57,6 @@ def test_recent_keys_is_a_bounded_window():
 
 
 def test_oldest_offsets_match_a_scan_of_what_is_waiting_through_any_sequence_of_events():
-    import random
-
     rng = random.Random(7)
     buf: JoinBuffer[str] = JoinBuffer(ttl=5, max_entries=40)
     now, next_offset = 0.0, {p: 0 for p in range(3)}
