@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,18 +54,19 @@ from devstack.kafka import start_broker
 from devstack.process import ManagedProcess, free_port
 from monitor import wire
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Trace, decode, encode
-from monitor.contract import TraceHeader
+from monitor.codec import Limits, Trace, decode, encode
 from monitor.core._blocks import Scratch
-from monitor.core.detect import Detector, Observation
+from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import head_metrics
 from monitor.exporter import MonitorMetrics
+from monitor.measure import Measured, MeasurerSpec, Result, trace_identity
+from monitor.measuring import CHUNK_RECORDS, MeasuringThread
 from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable, ModelContract
-from monitor.pipeline import Pipeline, Record
-from monitor.runner import CHUNK_RECORDS
-from monitor.stage import Measured, trace_identity
-from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.pipeline import Pipeline
+from monitor.records import Record
+from monitor.schema import TraceHeader
+from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 KEY_ID, SECRET = "bench", b"bench-secret-0123456789"
 #: seconds between scrapes of the service's /metrics. Rendering the exposition costs the
@@ -194,13 +196,29 @@ def required_cpu(decoded: list[Trace], records: list[tuple[bytes, bytes]]) -> Re
                             m.concentration.tolist(), m.sink_share.tolist(), float(m.diversity),
                             float(m.effective_heads), 0.0, a)
                    for t, r, m, a in zip(decoded, placed, metrics, anomalies, strict=True)]
-        pipeline = Pipeline(metrics=MonitorMetrics(CollectorRegistry()), remote_stage=True)
+        pipeline = Pipeline(Premeasured(results), metrics=MonitorMetrics(CollectorRegistry()))
         start = time.process_time()
-        for record, result in zip(placed, results, strict=True):
-            pipeline.apply(record, result)
+        pipeline.process(placed).result()
         account = (time.process_time() - start) / len(results)
+        pipeline.close()
         best = Required(min(best.header, header), min(best.detector, judged), min(best.account, account))
     return best
+
+
+class Premeasured:
+    """Results measured beforehand, handed to the pipeline as a measuring worker would,
+    so that accounting for them is timed alone."""
+
+    def __init__(self, results: list[Result]):
+        self._results = results
+
+    def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
+        done: Future[list[Result]] = Future()
+        done.set_result(self._results[: len(records)])
+        return [done]
+
+    def forget(self, trace_ids: list[str]) -> None:
+        pass
 
 
 def rss_kib(pid: int) -> int:
@@ -340,12 +358,16 @@ def main() -> None:
         core = max(core_single, core_batched)
         required = required_cpu(decoded, records)
 
-        pipeline = Pipeline(keyring=keyring, scopes=scopes, contracts=table, detector=Detector(),
-                            metrics=MonitorMetrics(CollectorRegistry()))
+        measuring = MeasuringThread(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000))
+        measuring.sync_contracts(table)
+        pipeline = Pipeline(measuring, metrics=MonitorMetrics(CollectorRegistry()))
         start = time.perf_counter()
-        for i, (k, v) in enumerate(records):
-            pipeline.process(Record("attention-traces", 0, i, k, v))
+        polled = [Record("attention-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]
+        for at in range(0, len(polled), 500):
+            pipeline.process(polled[at : at + 500]).result()
         in_process = len(records) / (time.perf_counter() - start)
+        pipeline.close()
+        measuring.close()
 
         runs = [serve(bootstrap, broker.process.pid, f"bench-service-{i}", args) for i in range(2)]
         run = max(runs, key=lambda r: r.rate)

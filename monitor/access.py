@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitor.contract import Scope
 from monitor.errors import ConfigurationError
+from monitor.schema import Scope
 
 WILDCARD = "*"
 
@@ -33,15 +33,23 @@ class Keyring:
         return f"Keyring(key_ids={sorted(self.keys)})"
 
     @classmethod
-    def from_file(cls, path: Path) -> Keyring:
+    def from_json(cls, text: str, where: str = "keyring") -> Keyring:
         """A JSON object ``{"key-id": "secret", ...}`` (secrets as UTF-8 text)."""
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigurationError(f"cannot read keyring {path}: {exc}") from exc
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"{where} is not JSON: {exc}") from exc
         if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
-            raise ConfigurationError(f"keyring {path} must be a JSON object of key id to secret string")
+            raise ConfigurationError(f"{where} must be a JSON object of key id to secret string")
         return cls({k: v.encode() for k, v in doc.items()})
+
+    @classmethod
+    def from_file(cls, path: Path) -> Keyring:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read keyring {path}: {exc.strerror}") from exc
+        return cls.from_json(text, f"keyring {path}")
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def derive_contract(
     return ModelContract(
         model_id=model_id,
         model_revision=revision or weights_hash(paths),
-        mask=mask,  # type: ignore[arg-type]
+        mask=mask,
         scale=scale if scale is not None else 1.0 / math.sqrt(head_dim),
         layers=tuple(layers),
     )

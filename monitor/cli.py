@@ -1,9 +1,9 @@
 """The ``attention-monitor`` command line.
 
-Exit codes: 0 success; 1 a check failed (an audit FAIL, an invalid configuration);
-2 bad usage or unreadable input; 3 an infrastructure error (broker unreachable,
-authorization refused) after retries; 4 the service's measuring process died;
-130 interrupted.
+Exit codes (:class:`monitor.errors.ExitCode`): 0 success; 1 a check failed (an audit
+FAIL, an invalid configuration); 2 bad usage or unreadable input; 3 an infrastructure
+error (broker unreachable, authorization refused) after retries; 4 the service's
+measuring process died; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
+from monitor.errors import ExitCode
+
 app = typer.Typer(
     name="attention-monitor",
     help="Watch the attention heads of transformer models in production.",
@@ -25,9 +27,13 @@ app = typer.Typer(
 contract_app = typer.Typer(help="Model contracts: what a model revision's attention layers are.",
                            no_args_is_help=True)
 app.add_typer(contract_app, name="contract")
+topics_app = typer.Typer(help="The monitor's Kafka topics.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+keyring_app = typer.Typer(help="Keyrings: the HMAC keys traces are signed with.", no_args_is_help=True)
+app.add_typer(keyring_app, name="keyring")
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+EXIT_FAILED = ExitCode.FAILED
+EXIT_USAGE = ExitCode.USAGE
 
 
 def _load_json(path: Path, what: str) -> Any:
@@ -51,17 +57,17 @@ def audit(
 
     Prints content identities of the contract, the projections and the combined
     result, the heads, token 0's combined output, and the decision. Exits 1 on FAIL.
-    Head existence does not establish specialization: that needs task metrics plus
-    controlled head ablation.
+    The audit checks form and identity only; it does not establish what a head does
+    (see the policy in the README).
     """
-    from monitor.core.audit import audit_multi_head_routing, report_lines
-    from monitor.core.audit_types import AuditInputError, contract_from_mapping, evidence_from_mapping
+    from monitor.routing.audit import audit_multi_head_routing, report_lines
+    from monitor.routing.inputs import AuditInputError, contract_from_mapping, evidence_from_mapping
 
     if example == (contract is not None or evidence is not None):
         typer.echo("error: give either --example or both CONTRACT and EVIDENCE", err=True)
         raise typer.Exit(EXIT_USAGE)
     if example:
-        from monitor.core.audit_example import example_contract, example_evidence
+        from monitor.routing.example import example_contract, example_evidence
 
         docs = example_contract(), example_evidence()
     else:
@@ -119,6 +125,65 @@ def contract_derive(
         typer.echo(text)
 
 
+@topics_app.command("create")
+def topics_create(
+    partitions: Annotated[int, typer.Option(min=1, help="partitions of the traces, outcomes and anomalies topics: "
+                                            "at most this many instances share the work")] = 12,
+    replication_factor: Annotated[int, typer.Option(help="-1: the broker's default.replication.factor")] = -1,
+) -> None:
+    """Create the monitor's topics on the broker of ATTENTION_MONITOR_BOOTSTRAP_SERVERS,
+    with their configured names: traces, outcomes, anomalies (same partition count, so a
+    trace and its outcome meet in one instance), compacted contracts, dead letters.
+    Topics that already exist are left as they are. Exits 3 when the broker refuses."""
+    from monitor.broker.admin import create_topics
+    from monitor.errors import InfrastructureError
+    from monitor.topics import layout
+
+    settings = _settings()
+    specs = layout(settings.topics(), partitions)
+    try:
+        done = create_topics(settings.kafka_config(), specs, replication_factor, settings.startup_timeout_s)
+    except InfrastructureError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
+    for spec in specs:
+        configs = " ".join(f"{k}={v}" for k, v in spec.configs.items())
+        typer.echo(f"{spec.name}: {done.get(spec.name, 'exists')} ({spec.partitions} partitions{' ' if configs else ''}"
+                   f"{configs})")
+
+
+@keyring_app.command("new")
+def keyring_new(
+    path: Annotated[Path, typer.Argument(help="the keyring file to write (refused if it exists)")],
+    key_id: Annotated[list[str], typer.Option("--key-id", help="a key id (repeatable), e.g. the team or server "
+                                              "that signs with it")],
+) -> None:
+    """Write a new keyring: one random 32-byte secret per key id, as JSON, readable by
+    its owner only. Give the same file to the monitor (ATTENTION_MONITOR_KEYRING_FILE)
+    and to each signer its own key id and secret."""
+    import os
+    import secrets
+
+    from monitor.access import Keyring
+    from monitor.errors import ConfigurationError
+
+    doc = {kid: secrets.token_urlsafe(32) for kid in key_id}
+    try:
+        Keyring.from_json(json.dumps(doc))
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        typer.echo(f"error: cannot create {path}: {exc.strerror}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    typer.echo(f"wrote {path} with key ids {', '.join(doc)}")
+
+
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(help="where /metrics is served while the demo runs (0: any free port)")] = 9464,
@@ -134,8 +199,8 @@ def demo(
     """
     from prometheus_client import CollectorRegistry
 
-    from monitor.demo import run_demo, summary
     from monitor.http import MetricsServer
+    from monitor.tools.demo import run_demo, summary
 
     _logging("ERROR")  # the summary reports the rejections; no per-record warnings here
     registry = CollectorRegistry()
@@ -219,7 +284,7 @@ def produce(
     synthetic: allow that scope in the monitor.
     """
     from monitor.errors import ConfigurationError
-    from monitor.produce import SyntheticTraffic, produce_synthetic
+    from monitor.tools.produce import SyntheticTraffic, produce_synthetic
 
     if not synthetic:
         typer.echo("error: only --synthetic traffic can be produced", err=True)
@@ -252,16 +317,16 @@ def triage(
 ) -> None:
     """Summarise recent anomaly records for on-call: heads involved, values against the
     reference, outcomes, contract ids. A prompt for investigation, never a pruning command."""
-    from monitor.broker.consumer import read_tail
+    from monitor.broker.tail import read_tail
     from monitor.errors import InfrastructureError
-    from monitor.triage import report, select
+    from monitor.tools.triage import report, select
 
     settings = _settings()
     try:
         records = read_tail(settings.kafka_config(), [settings.anomalies_topic], last)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(3) from exc
+        raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
     typer.echo(report(select(records, model, revision, layer, kind)), nl=False)
 
 
@@ -295,5 +360,5 @@ def main() -> None:
     import prometheus_client
 
     # `_created` samples would double every counter and histogram series (docs/metrics.md).
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     app()

@@ -20,11 +20,12 @@ from pydantic import ValidationError
 
 from monitor import wire
 from monitor.access import Keyring, ScopePolicy
-from monitor.contract import LayerContract, ModelContract, TraceHeader
 from monitor.core.mass import row_mass, value_fault
 from monitor.errors import RejectReason, TraceRejected
+from monitor.model_contract import LayerContract, ModelContract
+from monitor.schema import TraceHeader
 
-DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
+DTYPES: dict[str, np.dtype[Any]] = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 ContractLookup = Callable[[str], ModelContract | None] | Mapping[str, ModelContract]
 
 
@@ -164,7 +165,8 @@ def _payload(header: TraceHeader, payload: memoryview, limits: Limits) -> NDArra
     if len(payload) != expected:
         raise TraceRejected(RejectReason.SHAPE_MISMATCH,
                             f"payload has {len(payload)} bytes, shape {[h, r, k]} of {header.dtype} needs {expected}")
-    return np.frombuffer(payload, dtype=dtype).reshape(h, r, k)
+    weights: NDArray[np.generic] = np.frombuffer(payload, dtype=dtype).reshape(h, r, k)
+    return weights
 
 
 def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelContract, LayerContract]:
@@ -232,7 +234,7 @@ def _check_mass(header: TraceHeader, shown: NDArray[np.float64], hidden: NDArray
         raise TraceRejected(RejectReason.MASKED_MASS, f"a row puts {worst_hidden:.3g} of its weight on keys its "
                             f"{header.mask} mask hides (tolerance {limits.masked_mass_tolerance})")
     tolerance = limits.row_sum_tolerance_float16 if header.dtype == "float16" else limits.row_sum_tolerance_float32
-    seeing = valid.any(axis=-1)[None, :]  # rows with no visible key must carry no weight (checked above)
+    seeing = np.asarray(valid.any(axis=-1))[None, :]  # rows with no visible key must carry no weight (checked above)
     error = np.abs(np.where(seeing, shown - 1.0, 0.0))
     worst = int(np.argmax(error))
     if error.flat[worst] > tolerance:

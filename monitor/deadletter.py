@@ -13,8 +13,8 @@ import hashlib
 import json
 from typing import Any
 
-from monitor.contract import TraceHeader
 from monitor.errors import RejectReason
+from monitor.schema import TraceHeader
 
 DETAIL_CHARS = 300
 KEY_CHARS = 128

@@ -8,8 +8,19 @@ with a clear message and a non-zero exit code.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Any
+
+
+class ExitCode(IntEnum):
+    """How the ``attention-monitor`` commands end; the one table of exit codes."""
+
+    OK = 0
+    FAILED = 1  #: a check failed (an audit FAIL, unusable settings or files)
+    USAGE = 2  #: bad usage or unreadable input
+    INFRASTRUCTURE = 3  #: Kafka unreachable, a topic missing or not authorized, outputs not written
+    MEASURING = 4  #: the process that measures traces died
+    INTERRUPTED = 130
 
 
 class MonitorError(Exception):
@@ -61,3 +72,8 @@ class InfrastructureError(MonitorError):
 
 class ConfigurationError(MonitorError):
     """Settings or files given to the monitor are unusable."""
+
+
+class MeasuringFailed(MonitorError):
+    """The process (or thread) that measures traces died; nothing was committed for
+    the records in flight, so they are read again after a restart."""

@@ -18,18 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from monitor.core.detect import KINDS
+from monitor.core.join import MISSING
 from monitor.errors import RejectReason
+from monitor.schema import OUTCOMES as OUTCOME_WORDS
 
 UNIT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DIVERSITY_BUCKETS = (0.02, 0.05, *UNIT_BUCKETS[:-1], 1.0)
 EFFECTIVE_HEAD_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 HEAD_BUCKETS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 PROCESSING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-OUTCOMES = ("success", "failure", "missing")
+OUTCOMES = (*OUTCOME_WORDS, MISSING)
 OTHER = "other"
 
 
@@ -113,6 +116,7 @@ class MonitorMetrics:
                                 registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
         self.commits = Counter(f"{s}commits", "Offset commits after flushed outputs.", registry=r)
+        self._layers: dict[tuple[tuple[str, str], int], LayerSeries] = {}
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):
@@ -121,6 +125,18 @@ class MonitorMetrics:
             self.rejected.labels(rejected.value)
         self.outcomes_rejected.labels(RejectReason.MALFORMED.value)
 
+    def layer(self, model: str, revision: str, layer: int) -> LayerSeries:
+        """The series of one model revision's layer (model and revision bounded by the
+        guard), created at zero the first time it is asked for."""
+        return self.layer_of(self.model_labels(model, revision), layer)
+
+    def layer_of(self, labels: tuple[str, str], layer: int) -> LayerSeries:
+        key = (labels, layer)
+        series = self._layers.get(key)
+        if series is None:
+            series = self._layers[key] = LayerSeries(self, labels, layer)
+        return series
+
     def model_labels(self, model: str, revision: str) -> tuple[str, str]:
         pair = self.guard.labels(model, revision)
         if pair is None:
@@ -128,39 +144,61 @@ class MonitorMetrics:
             return OTHER, OTHER
         return pair
 
-    def observe_trace(self, labels: tuple[str, str], layer: int, heads: Sequence[str], entropy: Sequence[float],
-                      concentration: Sequence[float], sink_share: Sequence[float], diversity: float,
-                      effective_heads: float) -> None:
+
+class LayerSeries:
+    """The labelled children of one (model, revision, layer), looked up once: observing
+    a trace then costs no ``labels()`` call (prometheus_client hashes and locks on each).
+    Every series of the layer exists from creation, at zero, so rates exist before the
+    first event."""
+
+    def __init__(self, metrics: MonitorMetrics, labels: tuple[str, str], layer: int):
+        self.labels = labels
         key = (*labels, str(layer))
-        self.traces.labels(*key).inc()
+        self.traces = metrics.traces.labels(*key)
+        self.diversity = metrics.diversity.labels(*key)
+        self.effective_heads = metrics.effective_heads.labels(*key)
+        self.layer_metric = {name: family.labels(*key) for name, family in metrics.layer_metric.items()}
+        self._head_families = metrics.head_metric
+        self._key = key
+        self._heads: dict[str, list[tuple[str, Any]]] = {}
+        self.anomalies = {kind: metrics.anomalies.labels(*key, kind) for kind in KINDS}
+        self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
+        self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
+                                 for kind in KINDS for outcome in OUTCOMES}
+
+    def observe_trace(self, heads: Sequence[str], entropy: Sequence[float], concentration: Sequence[float],
+                      sink_share: Sequence[float], diversity: float, effective_heads: float) -> None:
+        self.traces.inc()
         if diversity == diversity:  # NaN (a single head) is not observed
-            self.diversity.labels(*key).observe(diversity)
+            self.diversity.observe(diversity)
         if effective_heads == effective_heads:
-            self.effective_heads.labels(*key).observe(effective_heads)
-        for name, values in (("entropy", entropy), ("concentration", concentration), ("sink_share", sink_share)):
-            finite = [v for v in values if v == v]
+            self.effective_heads.observe(effective_heads)
+        values = {"entropy": entropy, "concentration": concentration, "sink_share": sink_share}
+        for name, per_head in values.items():
+            finite = [v for v in per_head if v == v]
             if finite:
-                self.layer_metric[name].labels(*key).observe(sum(finite) / len(finite))
-            if self.per_head:
-                for head, value in zip(heads, values, strict=True):
+                self.layer_metric[name].observe(sum(finite) / len(finite))
+        if self._head_families:
+            for i, children in enumerate(self._head_children(heads)):
+                for name, child in children:
+                    value = values[name][i]
                     if value == value:
-                        self.head_metric[name].labels(*key, head).observe(value)
+                        child.observe(value)
 
-    def observe_anomaly(self, labels: tuple[str, str], layer: int, kind: str) -> None:
-        self.anomalies.labels(*labels, str(layer), kind).inc()
+    def _head_children(self, heads: Sequence[str]) -> list[list[tuple[str, Any]]]:
+        out = []
+        for head in heads:
+            children = self._heads.get(head)
+            if children is None:
+                children = self._heads[head] = [(name, family.labels(*self._key, head))
+                                                for name, family in self._head_families.items()]
+            out.append(children)
+        return out
 
-    def observe_outcome(self, labels: tuple[str, str], layer: int, outcome: str, kinds: Iterable[str]) -> None:
-        self.trace_outcomes.labels(*labels, str(layer), outcome).inc()
+    def observe_anomaly(self, kind: str) -> None:
+        self.anomalies[kind].inc()
+
+    def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
+        self.trace_outcomes[outcome].inc()
         for kind in set(kinds):
-            self.anomaly_outcomes.labels(*labels, str(layer), kind, outcome).inc()
-
-    def declare(self, labels: tuple[str, str], layer: int) -> None:
-        """Create the zero-valued series of a layer, so rates exist before the first event."""
-        key = (*labels, str(layer))
-        self.traces.labels(*key)
-        for kind in KINDS:
-            self.anomalies.labels(*key, kind)
-            for outcome in OUTCOMES:
-                self.anomaly_outcomes.labels(*key, kind, outcome)
-        for outcome in OUTCOMES:
-            self.trace_outcomes.labels(*key, outcome)
+            self.anomaly_outcomes[(kind, outcome)].inc()

@@ -64,6 +64,8 @@ class MetricsServer:
     @property
     def url(self) -> str:
         host = self._server.server_address[0]
+        if isinstance(host, bytes):
+            host = host.decode()
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def start(self) -> MetricsServer:

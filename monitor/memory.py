@@ -40,4 +40,4 @@ def reuse_freed_memory() -> bool:
     done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not done:
         log.warning("the C allocator refused the large-record settings; continuing with its defaults")
-    return done
+    return bool(done)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +13,7 @@ from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits
 from monitor.core.detect import DetectorConfig
 from monitor.errors import ConfigurationError
+from monitor.topics import DEFAULT, Topics
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -30,11 +30,11 @@ class Settings(BaseSettings):
     sasl_password: SecretStr | None = None
     group_id: str = "attention-monitor"
     client_id: str = "attention-monitor"
-    traces_topic: str = "attention-traces"
-    outcomes_topic: str = "task-outcomes"
-    contracts_topic: str = "attention-contracts"
-    anomalies_topic: str = "attention-anomalies"
-    dead_letter_topic: str = "attention-dead-letter"
+    traces_topic: str = DEFAULT.traces
+    outcomes_topic: str = DEFAULT.outcomes
+    contracts_topic: str = DEFAULT.contracts
+    anomalies_topic: str = DEFAULT.anomalies
+    dead_letter_topic: str = DEFAULT.dead_letter
     batch_max_records: int = Field(500, gt=0)
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
@@ -46,10 +46,10 @@ class Settings(BaseSettings):
     keyring_file: Path | None = None
     keyring_json: SecretStr | None = Field(None, description='inline keyring: {"key-id": "secret"}')
     allowed_scopes: CommaList = Field(default_factory=lambda: ["*:*"], description="tenant:data_class, comma-separated")
-    max_record_bytes: int = Field(16 * 1024 * 1024, gt=0)
-    max_heads: int = Field(256, gt=0)
-    max_rows: int = Field(1024, gt=0)
-    max_keys: int = Field(262_144, gt=0)
+    max_record_bytes: int = Field(Limits.max_record_bytes, gt=0)
+    max_heads: int = Field(Limits.max_heads, gt=0)
+    max_rows: int = Field(Limits.max_rows, gt=0)
+    max_keys: int = Field(Limits.max_keys, gt=0)
 
     # Detection and join
     reference_traces: int = Field(200, gt=1)
@@ -63,8 +63,8 @@ class Settings(BaseSettings):
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
     reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
                                                        "fault in fresh pages; resident memory stays at its peak")
-    stage_process: bool = Field(True, description="decode, measure and detect in a child process, beside the "
-                                                  "consumer (false: in a thread of the service's own process)")
+    measure_processes: int = Field(1, ge=0, le=1, description="1: decode, measure and detect in a child process, "
+                                   "beside the consumer; 0: in a thread of the service's own process")
 
     # Export
     metrics_address: str = "127.0.0.1"
@@ -98,16 +98,15 @@ class Settings(BaseSettings):
 
     def keyring(self) -> Keyring:
         if self.keyring_json is not None:
-            try:
-                doc = json.loads(self.keyring_json.get_secret_value())
-            except json.JSONDecodeError as exc:
-                raise ConfigurationError("keyring_json is not JSON") from exc
-            if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
-                raise ConfigurationError("keyring_json must be an object of key id to secret string")
-            return Keyring({k: v.encode() for k, v in doc.items()})
+            return Keyring.from_json(self.keyring_json.get_secret_value(), "keyring_json")
         if self.keyring_file is not None:
             return Keyring.from_file(self.keyring_file)
-        raise ConfigurationError("no keyring: set ATTENTION_MONITOR_KEYRING_FILE or ATTENTION_MONITOR_KEYRING_JSON")
+        raise ConfigurationError("no keyring: set ATTENTION_MONITOR_KEYRING_FILE or ATTENTION_MONITOR_KEYRING_JSON "
+                                 "(`attention-monitor keyring new` makes one)")
+
+    def topics(self) -> Topics:
+        return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
+                      self.dead_letter_topic)
 
     def scopes(self) -> ScopePolicy:
         return ScopePolicy.parse(self.allowed_scopes)

@@ -9,7 +9,7 @@
     6           1     key id length L (0 when unsigned)
     7           L     key id, UTF-8
     7+L         4     header length N, unsigned little-endian
-    11+L        N     header, UTF-8 JSON (monitor.contract.TraceHeader)
+    11+L        N     header, UTF-8 JSON (monitor.schema.TraceHeader)
     11+L+N      P     weights [heads, rows, keys], little-endian float16 or float32
     end-32      32    HMAC-SHA256 over every byte before it, under the named key (signed only)
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, decode, encode
-from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 KEY_ID = "test-key"
 SECRET = b"test-secret-0123456789abcdef"

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from monitor.checkpoint import CheckpointError, derive_contract
 from monitor.cli import app
-from monitor.core.audit_example import example_contract, example_evidence
+from monitor.routing.example import example_contract, example_evidence
 
 runner = CliRunner()
 

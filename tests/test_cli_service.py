@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from monitor.cli import app
-from monitor.demo import run_demo, summary
+from monitor.tools.demo import run_demo, summary
 
 runner = CliRunner()
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from monitor import wire
 from monitor.codec import Limits, decode, encode, valid_keys
-from monitor.contract import Scope
 from monitor.deadletter import dead_letter
 from monitor.errors import RejectReason, TraceRejected
-from monitor.synthetic import make_header
+from monitor.schema import Scope
+from monitor.tools.synthetic import make_header
 from tests.factories import (
     CONTRACT,
     CONTRACTS,
@@ -134,7 +134,7 @@ def test_padding_semantics():
     padded = {**doc, "padding": 4, "padding_side": "left"}
     # Weight on left-padded keys is mass the mask hides.
     assert reject_reason(rebuild(padded, weights.tobytes())) is RejectReason.MASKED_MASS
-    from monitor.contract import TraceHeader
+    from monitor.schema import TraceHeader
     visible = valid_keys(TraceHeader.model_validate(padded))
     assert not visible[:, :4].any()
 

@@ -36,7 +36,7 @@ def test_head_series_only_at_head_detail():
     for level, expected in (("layer", None), ("head", 1.0)):
         registry = CollectorRegistry()
         metrics = MonitorMetrics(registry, detail_level=level)
-        metrics.observe_trace(("m", "r"), 0, ["h0", "h1"], [0.5, 0.6], [0.4, 0.3], [0.1, 0.2], 0.7, 1.8)
+        metrics.layer("m", "r", 0).observe_trace(["h0", "h1"], [0.5, 0.6], [0.4, 0.3], [0.1, 0.2], 0.7, 1.8)
         labels = {"model": "m", "revision": "r", "layer": "0", "head": "h0"}
         assert registry.get_sample_value("attention_head_entropy_count", labels) == expected
         assert registry.get_sample_value("attention_layer_entropy_sum", {"model": "m", "revision": "r",
@@ -99,12 +99,12 @@ def test_series_per_model_revision_follow_the_documented_formula():
             metrics = MonitorMetrics(registry, detail_level=level)
             before = sum(len(f.samples) for f in registry.collect())
             for layer in range(layers):
-                metrics.declare(("m", "r"), layer)
-                metrics.observe_trace(("m", "r"), layer, [f"h{i}" for i in range(heads)], [0.5] * heads,
-                                      [0.5] * heads, [0.5] * heads, 0.5, 2.0)
+                series = metrics.layer("m", "r", layer)
+                series.observe_trace([f"h{i}" for i in range(heads)], [0.5] * heads, [0.5] * heads, [0.5] * heads,
+                                     0.5, 2.0)
                 for kind in ("low_diversity", "sink_shift"):
-                    metrics.observe_anomaly(("m", "r"), layer, kind)
-                metrics.observe_outcome(("m", "r"), layer, "failure", ["low_diversity"])
+                    series.observe_anomaly(kind)
+                series.observe_outcome("failure", ["low_diversity"])
             return sum(len(f.samples) for f in registry.collect()) - before
 
         for layers, heads in ((1, 1), (3, 4), (32, 32)):

@@ -1,9 +1,11 @@
-"""The producer model-server teams use to publish signed traces.
+"""The producer model-server teams use: contracts, signed traces and task outcomes.
 
-    from monitor.broker.producer import TraceProducer
+    from monitor.producer import TraceProducer
 
     with TraceProducer(bootstrap_servers="kafka:9092", key_id="team-a", secret=b"...") as producer:
-        producer.send(header, weights)       # key = header.request_id
+        producer.publish_contract(contract)          # once per model revision, before its traces
+        producer.send(header, weights)               # key = header.request_id
+        producer.send_outcome(header.request_id, "success")
 
 Large traces need the limits raised together: the topic's ``max.message.bytes``, the
 broker's ``message.max.bytes`` and this producer's ``max_request_size`` (default here
@@ -12,7 +14,7 @@ broker's ``message.max.bytes`` and this producer's ``max_request_size`` (default
 
 from __future__ import annotations
 
-import json
+import time
 from types import TracebackType
 from typing import Any
 
@@ -21,26 +23,41 @@ from kafka import KafkaProducer
 from numpy.typing import NDArray
 
 from monitor.codec import encode
-from monitor.contract import TraceHeader
-
-DEFAULT_TOPIC = "attention-traces"
+from monitor.model_contract import ContractTable, ModelContract
+from monitor.schema import TaskOutcome, TraceHeader
+from monitor.topics import DEFAULT, TRACE_RECORD_BYTES, Topics
 
 
 class TraceProducer:
-    """Encodes, signs and sends traces; extra keyword arguments go to ``KafkaProducer``."""
+    """Encodes, signs and sends; extra keyword arguments go to ``KafkaProducer``. Every
+    ``send`` returns kafka-python's future of the record's metadata."""
 
-    def __init__(self, *, key_id: str, secret: bytes, topic: str = DEFAULT_TOPIC, **kafka_config: Any):
-        self.topic = topic
+    def __init__(self, *, key_id: str, secret: bytes, topics: Topics = DEFAULT, **kafka_config: Any):
+        self.topics = topics
         self._key_id = key_id
         self._secret = secret
-        kafka_config.setdefault("max_request_size", 16 * 1024 * 1024 + 64 * 1024)
+        kafka_config.setdefault("max_request_size", TRACE_RECORD_BYTES)
         kafka_config.setdefault("linger_ms", 5)
         self._producer = KafkaProducer(**kafka_config)
 
+    def publish_contract(self, contract: ModelContract) -> Any:
+        """Publish a model contract on the compacted contracts topic, keyed by its id.
+        The monitor refuses traces of a contract it does not know (``unknown_contract``)."""
+        key, value = ContractTable.record(contract)
+        return self._producer.send(self.topics.contracts, key=key, value=value)
+
     def send(self, header: TraceHeader, weights: NDArray[np.generic]) -> Any:
-        """Queue one trace; returns kafka-python's future of its record metadata."""
+        """Queue one trace (one request × one layer)."""
         value = encode(header, weights, self._key_id, self._secret)
-        return self._producer.send(self.topic, key=header.request_id.encode(), value=value)
+        return self._producer.send(self.topics.traces, key=header.request_id.encode(), value=value)
+
+    def send_outcome(self, request_id: str, outcome: str, timestamp: float | None = None) -> Any:
+        """Queue how a request ended: ``success`` or ``failure`` (anything else raises
+        ``ValueError`` here rather than being refused by the monitor)."""
+        record = TaskOutcome(request_id=request_id, outcome=outcome,
+                             timestamp=time.time() if timestamp is None else timestamp)
+        return self._producer.send(self.topics.outcomes, key=request_id.encode(),
+                                   value=record.model_dump_json().encode())
 
     def flush(self, timeout: float | None = None) -> None:
         self._producer.flush(timeout)
@@ -55,17 +72,3 @@ class TraceProducer:
                  tb: TracebackType | None) -> None:
         self.flush()
         self.close()
-
-
-def publish_contract(producer: KafkaProducer, topic: str, contract: Any) -> None:
-    """Publish a model contract on the compacted contracts topic, keyed by its id."""
-    from monitor.model_contract import ContractTable
-
-    key, value = ContractTable.record(contract)
-    producer.send(topic, key=key, value=value)
-
-
-def send_outcome(producer: KafkaProducer, topic: str, request_id: str, outcome: str, timestamp: float) -> None:
-    """Publish a task outcome (``success`` or ``failure``), keyed by request id."""
-    value = json.dumps({"request_id": request_id, "outcome": outcome, "timestamp": timestamp}).encode()
-    producer.send(topic, key=request_id.encode(), value=value)

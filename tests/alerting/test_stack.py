@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kafka import KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.prometheus import start_alertmanager, start_prometheus
 from devstack.wait import wait_for
 from devstack.webhook import WebhookReceiver
-from monitor.broker.producer import TraceProducer, send_outcome
+from monitor.producer import TraceProducer
 from tests.factories import KEY_ID, SECRET, make_trace
 from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts
 
@@ -47,8 +46,7 @@ class Traffic(threading.Thread):
         self.sent = 0
 
     def run(self) -> None:
-        outcomes = KafkaProducer(bootstrap_servers=self.bootstrap)
-        with TraceProducer(key_id=KEY_ID, secret=SECRET, topic=self.topics.traces,
+        with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=self.topics,
                            bootstrap_servers=self.bootstrap) as traces:
             seed = 0
             while not self.stopped.is_set():
@@ -61,12 +59,9 @@ class Traffic(threading.Thread):
                     request = header.request_id
                     traces.send(header, weights)
                     self.sent += 1
-                send_outcome(outcomes, self.topics.outcomes, request, "failure" if self.collapse.is_set()
-                             else "success", time.time())
+                traces.send_outcome(request, "failure" if self.collapse.is_set() else "success")
                 traces.flush()
-                outcomes.flush()
                 time.sleep(1 / 15)
-        outcomes.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from kafka import KafkaConsumer
 
-from monitor.broker.producer import TraceProducer
+from monitor.producer import TraceProducer
+from monitor.topics import Topics
 from tests.factories import KEY_ID, SECRET, decode_default, make_trace
 
 pytestmark = pytest.mark.kafka
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.kafka
 def test_produce_consume_decode_round_trip(kafka_broker, make_topic, unique_name):
     topic = make_topic("traces", partitions=3)
     sent = [make_trace(seed, layer=seed % 2, keys=64, rows=4) for seed in range(12)]
-    with TraceProducer(key_id=KEY_ID, secret=SECRET, topic=topic, bootstrap_servers=kafka_broker.bootstrap,
-                       compression_type="lz4") as producer:
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=Topics(traces=topic),
+                       bootstrap_servers=kafka_broker.bootstrap, compression_type="lz4") as producer:
         futures = [producer.send(header, weights) for header, weights in sent]
     assert all(f.get(timeout=10).topic == topic for f in futures)
 

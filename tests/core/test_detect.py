@@ -7,7 +7,7 @@ import pytest
 
 from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold, length_bucket
 from monitor.core.metrics import head_metrics
-from monitor.synthetic import layer_roles, sample_positions, trace_weights
+from monitor.tools.synthetic import layer_roles, sample_positions, trace_weights
 
 HEADS = tuple(f"head-{i}" for i in range(6))
 

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from monitor.core.audit import audit_multi_head_routing
-from monitor.core.audit_example import example_contract, example_evidence
-from monitor.core.audit_types import AuditInputError, contract_from_mapping, evidence_from_mapping
-from monitor.core.routing import multi_head_attention, operation_count
+from monitor.routing.attention import multi_head_attention, operation_count
+from monitor.routing.audit import audit_multi_head_routing
+from monitor.routing.example import example_contract, example_evidence
+from monitor.routing.inputs import AuditInputError, contract_from_mapping, evidence_from_mapping
 
 
 def plain_attention(x, wq, wk, wv, wo, causal, scale, padding=None):
@@ -208,9 +208,9 @@ def test_malformed_documents_raise_naming_the_field():
 
 
 def test_identities_are_equal_across_processes():
-    code = ("from monitor.core.audit import audit_multi_head_routing as a;"
-            "from monitor.core.audit_types import contract_from_mapping as c, evidence_from_mapping as e;"
-            "from monitor.core.audit_example import example_contract as x, example_evidence as y;"
+    code = ("from monitor.routing.audit import audit_multi_head_routing as a;"
+            "from monitor.routing.inputs import contract_from_mapping as c, evidence_from_mapping as e;"
+            "from monitor.routing.example import example_contract as x, example_evidence as y;"
             "r = a(c(x()), e(y())); print(r.contract_content_id, r.projection_content_id, r.material_evidence_id,"
             " *[h.output_id for h in r.heads])")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.process import ManagedProcess, free_port
 from devstack.wait import wait_for
-from monitor.broker.producer import TraceProducer
 from monitor.model_contract import ContractTable
-from monitor.pipeline import Topics
+from monitor.producer import TraceProducer
+from monitor.topics import Topics
 from tests.factories import CONTRACT, KEY_ID, SECRET
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,8 @@ def series(name: str, **labels: Any) -> str:
 
 
 def send_traces(bootstrap: str, topic: str, traces: Iterable[tuple[Any, Any]], partition: int | None = None) -> None:
-    with TraceProducer(key_id=KEY_ID, secret=SECRET, topic=topic, bootstrap_servers=bootstrap) as producer:
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=Topics(traces=topic),
+                       bootstrap_servers=bootstrap) as producer:
         for header, weights in traces:
             producer.send(header, weights)
 

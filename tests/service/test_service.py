@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from devstack.wait import wait_for
 from monitor.cli import app
-from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 from tests.factories import make_record, make_trace
 from tests.service.harness import (
     Monitor,
@@ -139,11 +139,11 @@ def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_
     reader.wait(lambda r: len(r[topics.dead_letter]) == 2, timeout=20, what="both poison records dead-lettered")
 
 
-@pytest.mark.parametrize("stage_process", [True, False], ids=["measuring-process", "measuring-thread"])
-def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, stage_process):
+@pytest.mark.parametrize("processes", [1, 0], ids=["measuring-process", "measuring-thread"])
+def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, processes):
     topics, start, _ = stack
-    monitor = start(stage_process=str(stage_process).lower())
-    assert len(measuring_processes(monitor)) == (1 if stage_process else 0)
+    monitor = start(measure_processes=processes)
+    assert len(measuring_processes(monitor)) == processes
     traces = healthy(20, 0)
     send_traces(kafka_broker.bootstrap, topics.traces, traces)
     send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
@@ -164,7 +164,7 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, st
     assert total == 20, committed
     assert reference_counts(monitor) == [20]  # the stage's state, saved on the way out
     # A restart starts from the saved references and learns on from there.
-    again = start(f"monitor-again-{stage_process}", stage_process=str(stage_process).lower())
+    again = start(f"monitor-again-{processes}", measure_processes=processes)
     send_traces(kafka_broker.bootstrap, topics.traces, healthy(10, 0, start=20))
     measured = series("attention_traces_total", layer=0, model="test-model", revision="rev-1")
     wait_for(lambda: again.value(measured) == 10, timeout=30, what="10 more traces measured after the restart")

@@ -1,7 +1,6 @@
-"""pydantic models of what producers send: trace headers and task outcomes.
-
-The model contract lives in :mod:`monitor.model_contract` and is re-exported here.
-"""
+"""What producers send, as pydantic models: trace headers and task outcomes (see
+``docs/wire-format.md``). The model contract, which traces name by id, is
+:mod:`monitor.model_contract`."""
 
 from __future__ import annotations
 
@@ -10,11 +9,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from monitor.model_contract import LayerContract, ModelContract
+__all__ = ["OUTCOMES", "Scope", "TaskOutcome", "TraceHeader"]
 
-__all__ = ["LayerContract", "ModelContract", "Scope", "TaskOutcome", "TraceHeader"]
-
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
+#: the words a task outcome may say (a trace whose outcome never came is ``missing``)
+OUTCOMES = ("success", "failure")
+Outcome = Literal["success", "failure"]
 Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
 
 
@@ -84,5 +84,5 @@ class TaskOutcome(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     request_id: str = Identifier
-    outcome: Literal["success", "failure"]
+    outcome: Outcome
     timestamp: float = Field(default=0.0, ge=0)

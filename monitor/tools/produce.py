@@ -8,12 +8,10 @@ import uuid
 from dataclasses import dataclass
 
 import numpy as np
-from kafka import KafkaProducer
 
-from monitor.broker.producer import TraceProducer, publish_contract, send_outcome
-from monitor.contract import Scope
+from monitor.producer import Scope, TraceProducer
 from monitor.settings import Settings
-from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 
 @dataclass(frozen=True)
@@ -33,14 +31,11 @@ def produce_synthetic(settings: Settings, traffic: SyntheticTraffic, key_id: str
     """Publish the traffic; returns the number of traces sent."""
     model = SyntheticModel(traffic.model_id, traffic.revision)
     contract = model.contract()
-    kafka = settings.kafka_config()
     rng = np.random.default_rng()
-    plain = KafkaProducer(**kafka)
-    publish_contract(plain, settings.contracts_topic, contract)
-    plain.flush()
     sent = 0
     scope = Scope(tenant=traffic.tenant, data_class=traffic.data_class)
-    with TraceProducer(key_id=key_id, secret=secret, topic=settings.traces_topic, **kafka) as traces:
+    with TraceProducer(key_id=key_id, secret=secret, topics=settings.topics(), **settings.kafka_config()) as producer:
+        producer.publish_contract(contract).get(timeout=30)
         start = time.monotonic()
         for i in range(traffic.requests):
             request_id = uuid.uuid4().hex
@@ -52,13 +47,11 @@ def produce_synthetic(settings: Settings, traffic: SyntheticTraffic, key_id: str
                 weights = trace_weights(rng, layer_roles(layer, model.heads), positions, keys, collapse=drift)
                 header = make_header(contract, layer, positions, keys, request_id=request_id, scope=scope,
                                      producer_id="attention-monitor-produce", timestamp=time.time())
-                traces.send(header, weights)
+                producer.send(header, weights)
                 sent += 1
             failed = rng.random() < (0.3 if collapsing else 0.05)
-            send_outcome(plain, settings.outcomes_topic, request_id, "failure" if failed else "success", time.time())
+            producer.send_outcome(request_id, "failure" if failed else "success")
             delay = start + (i + 1) / traffic.rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-    plain.flush()
-    plain.close()
     return sent

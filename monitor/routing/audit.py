@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.core.audit_types import Parameter, RoutingContract, RoutingEvidence
 from monitor.core.identity import content_id, quantized
-from monitor.core.routing import MASK_KINDS, AttentionResult, multi_head_attention, operation_count
+from monitor.routing.attention import MASK_KINDS, AttentionResult, multi_head_attention, operation_count
+from monitor.routing.inputs import Parameter, RoutingContract, RoutingEvidence
 
 SPECIALIZATION_CONCLUSION = "NOT_ESTABLISHED_FROM_HEAD_EXISTENCE"
 REQUIRED_SPECIALIZATION_EVIDENCE = "TASK_METRICS_PLUS_CONTROLLED_HEAD_ABLATION"

@@ -1,5 +1,5 @@
-"""The trace stage in a child process: same results as in-process, ring reuse, failure
-and cleanup. (The service tests run it against the real broker.)"""
+"""Measuring in a child process: same results as in a thread, ring reuse, failure and
+cleanup. (The service tests run it against the real broker.)"""
 
 from __future__ import annotations
 
@@ -12,21 +12,22 @@ from pathlib import Path
 
 import pytest
 
-import monitor.runner as runner_module
+import monitor.measuring as measuring_module
 from devstack.wait import wait_for
 from monitor.codec import Limits
 from monitor.core.detect import DetectorConfig
-from monitor.errors import RejectReason
+from monitor.errors import MeasuringFailed, RejectReason
+from monitor.measure import Duplicate, Measured, MeasurerSpec, Rejected
+from monitor.measuring import MeasuringProcess, MeasuringThread, results, start_measuring
 from monitor.model_contract import ContractTable
-from monitor.runner import StageFailed, StageRunner, StageSpec
-from monitor.stage import Duplicate, Measured, Record, Rejected
+from monitor.records import Record
 from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spec(**kwargs) -> StageSpec:
-    return StageSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=5), 1000, **kwargs)
+def spec(**kwargs) -> MeasurerSpec:
+    return MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=5), 1000, **kwargs)
 
 
 def table() -> ContractTable:
@@ -39,13 +40,13 @@ def records(n: int, start: int = 0, **kwargs) -> list[Record]:
     return [Record("traces", i % 3, i, b"k", make_record(i, **kwargs)) for i in range(start, start + n)]
 
 
-def run(runner: StageRunner, batch: list[Record]) -> list:
-    return list(runner.results(runner.submit(batch)))
+def run(measuring: MeasuringThread | MeasuringProcess, batch: list[Record]) -> list:
+    return list(results(measuring.submit(batch)))
 
 
 @pytest.fixture
 def child():
-    r = StageRunner(spec(), processes=1)
+    r = MeasuringProcess(spec())
     yield r
     r.close()
 
@@ -59,8 +60,8 @@ def comparable(result):
     return ("duplicate", result.trace_id)
 
 
-def test_the_child_process_gives_what_the_stage_gives_in_process(child):
-    local = StageRunner(spec(), processes=0)
+def test_the_child_process_gives_what_a_thread_gives(child):
+    local = MeasuringThread(spec())
     try:
         fresh = records(30)
         batch = fresh + fresh[:2] + [Record("traces", 0, 99, None, b"not a trace")]
@@ -94,16 +95,16 @@ def test_forgotten_traces_are_measured_again(child):
 def test_the_reference_state_comes_back_from_the_child(child):
     child.sync_contracts(table())
     run(child, records(8))
-    state = child.state()
+    state = child.state().result()
     # one layer; its reference learnt from the first reference_traces (5) traces only
     assert [item["reference"]["diversity"]["count"] for item in state["references"]] == [[5.0]]
 
 
 def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):
     size = len(make_record(0))
-    monkeypatch.setattr(runner_module, "RING_BYTES", 5 * size)
-    monkeypatch.setattr(runner_module, "CHUNK_RECORDS", 2)
-    r = StageRunner(spec(), processes=1)
+    monkeypatch.setattr(measuring_module, "RING_BYTES", 5 * size)
+    monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 2)
+    r = MeasuringProcess(spec())
     try:
         r.sync_contracts(table())
         batch = records(60)
@@ -115,8 +116,8 @@ def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):
 
 
 def test_a_record_larger_than_the_ring_goes_through_the_pipe(monkeypatch):
-    monkeypatch.setattr(runner_module, "RING_BYTES", 1024)
-    r = StageRunner(spec(), processes=1)
+    monkeypatch.setattr(measuring_module, "RING_BYTES", 1024)
+    r = MeasuringProcess(spec())
     try:
         r.sync_contracts(table())
         results = run(r, records(3))
@@ -126,22 +127,22 @@ def test_a_record_larger_than_the_ring_goes_through_the_pipe(monkeypatch):
 
 
 def test_the_child_ignores_sigint_and_a_dead_child_is_reported(child):
-    pid = child.child_pid
+    pid = child.pid
     assert pid is not None
     os.kill(pid, signal.SIGINT)  # a Ctrl-C in the terminal reaches the whole process group
     child.ping()
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(StageFailed, match="measuring process died"):
-        child.state()
+    with pytest.raises(MeasuringFailed, match="measuring process died"):
+        child.state().result()
 
 
 def test_the_child_goes_and_nothing_stays_in_dev_shm_when_the_service_is_killed():
     script = textwrap.dedent("""
         import sys, time
-        from tests.test_runner import spec
-        from monitor.runner import StageRunner
-        r = StageRunner(spec(), processes=1)
-        print(r.child_pid, r.ring_path, flush=True)
+        from tests.test_measuring import spec
+        from monitor.measuring import MeasuringProcess
+        r = MeasuringProcess(spec())
+        print(r.pid, r.ring_path, flush=True)
         time.sleep(600)
     """)
     shm = Path("/dev/shm")
@@ -166,10 +167,10 @@ def test_the_child_goes_and_nothing_stays_in_dev_shm_when_the_service_is_killed(
 def test_the_child_leaves_when_only_the_service_is_killed():
     script = textwrap.dedent("""
         import sys, time
-        from tests.test_runner import spec
-        from monitor.runner import StageRunner
-        r = StageRunner(spec(), processes=1)
-        print(r.child_pid, flush=True)
+        from tests.test_measuring import spec
+        from monitor.measuring import MeasuringProcess
+        r = MeasuringProcess(spec())
+        print(r.pid, flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -190,9 +191,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_runner_needs_a_known_mode():
+def test_measuring_needs_a_known_mode():
     with pytest.raises(ValueError, match="processes must be 0"):
-        StageRunner(spec(), processes=2)
+        start_measuring(spec(), processes=2)
 
 
 def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
@@ -200,12 +201,13 @@ def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
     # full /dev/shm would (Python ignores SIGXFSZ, so the call fails with EFBIG).
     script = textwrap.dedent("""
         import resource
-        from monitor.runner import StageFailed, StageRunner
-        from tests.test_runner import spec
+        from monitor.errors import MeasuringFailed
+        from monitor.measuring import MeasuringProcess
+        from tests.test_measuring import spec
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
-            StageRunner(spec(), processes=1)
-        except StageFailed as exc:
+            MeasuringProcess(spec())
+        except MeasuringFailed as exc:
             print(exc)
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)

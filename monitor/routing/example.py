@@ -53,6 +53,6 @@ def example_evidence() -> dict[str, Any]:
         "output": param([[1.0, 0.0], [0.0, 1.0]]),
         "applied": {"mask": "bidirectional", "scale": 1.0},
         "inputs": {"tokens": [[1.0, 0.0], [0.0, 1.0]]},
-        "provenance": {"source": "monitor.core.audit_example", "note": "illustrative only"},
+        "provenance": {"source": "monitor.routing.example", "note": "illustrative only"},
         "scope": {"tenant": "example", "data_class": "synthetic"},
     }

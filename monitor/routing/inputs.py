@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.core.routing import MaskKind
+from monitor.routing.attention import MaskKind
 
 
 class AuditInputError(ValueError):

@@ -1,12 +1,13 @@
-"""The trace stage: decode → verify → contract check → metrics → detector, per record.
+"""Measuring trace records: decode → verify → contract check → metrics → detector.
 
 Everything a trace needs that neither writes outputs nor touches the join buffer or the
-exporter lives here, so the service can run it in a separate process while it keeps
-consuming (see :mod:`monitor.runner`). Its results are small picklable values: a trace's
-identity and metrics, the anomalies it raised, or why it was rejected. Never weights.
+exporter lives here, so it can run in a thread or a separate process while the service
+keeps consuming (:mod:`monitor.measuring`). Its results are small picklable values: a
+trace's identity and metrics, the anomalies it raised, or why it was rejected. Never
+weights.
 
-The stage owns the de-duplication window (so the detector never sees a trace twice)
-and the detector's references.
+The :class:`Measurer` owns the de-duplication window (so the detector never sees a trace
+twice) and the detector's references.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,22 +24,14 @@ import numpy as np
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, Trace, check_mass, check_values, decode
 from monitor.core._blocks import Scratch
-from monitor.core.detect import Anomaly, Detector, Observation
+from monitor.core.detect import Anomaly, Detector, DetectorConfig, Observation
 from monitor.core.join import RecentKeys
 from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.model_contract import ContractTable, ModelContract
+from monitor.records import Record
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Record:
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | memoryview | None  #: a memoryview in the measuring process (see monitor.runner)
 
 
 @dataclass(frozen=True)
@@ -70,7 +64,29 @@ class Duplicate:
 Result = Measured | Rejected | Duplicate
 
 
-class TraceStage:
+@dataclass(frozen=True)
+class MeasurerSpec:
+    """Everything needed to build a :class:`Measurer`; picklable, so a child process can
+    build its own."""
+
+    keyring: Keyring
+    scopes: ScopePolicy
+    limits: Limits
+    detector: DetectorConfig
+    dedupe_window: int
+    state: Mapping[str, Any] | None = None  #: detector reference state to start from
+    log_level: int = logging.INFO
+    reuse_freed_memory: bool = True  #: see :mod:`monitor.memory`
+
+    def build(self) -> Measurer:
+        detector = Detector(self.detector)
+        if self.state is not None:
+            detector.merge_state(self.state)
+        return Measurer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), detector=detector,
+                        limits=self.limits, dedupe_window=self.dedupe_window)
+
+
+class Measurer:
     def __init__(
         self,
         *,
@@ -87,14 +103,11 @@ class TraceStage:
         self.recent = RecentKeys(dedupe_window)
         self._scratch = Scratch()
 
-    def run(self, record: Record) -> Result:
-        """Never raises for anything a producer can send."""
-        return self.run_many([record])[0]
-
-    def run_many(self, records: list[Record]) -> list[Result]:
-        """Results in record order. Traces of the same shape are measured as one batch
-        (the metrics core is batched: per-call overhead is shared); everything else,
-        de-duplication and the detector included, goes trace by trace, in order."""
+    def measure(self, records: list[Record]) -> list[Result]:
+        """Results in record order; never raises for anything a producer can send.
+        Traces of the same shape are measured as one batch (the metrics core is batched:
+        per-call overhead is shared); everything else, de-duplication and the detector
+        included, goes trace by trace, in order."""
         results: list[Result | None] = [None] * len(records)
         accepted: list[tuple[int, Trace, float]] = []
         for i, record in enumerate(records):

@@ -19,13 +19,17 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import encode
-from monitor.core.detect import Detector, DetectorConfig
+from monitor.codec import Limits, encode
+from monitor.core.detect import DetectorConfig
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 from monitor.exporter import MonitorMetrics
+from monitor.measure import MeasurerSpec
+from monitor.measuring import MeasuringThread
 from monitor.model_contract import ContractTable
-from monitor.pipeline import Output, Pipeline, Record, Topics
-from monitor.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.pipeline import Pipeline
+from monitor.records import Output, Record
+from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.topics import Topics
 
 KEY_ID, SECRET = "demo", b"demo-secret-not-for-production"
 COLLAPSING_LAYER = 2
@@ -56,17 +60,29 @@ def run_demo(registry: CollectorRegistry, *, requests: int = 240, pace: float = 
         contracts.add(model.contract())
     clock = _Clock()
     metrics = MonitorMetrics(registry, detail_level="head")
-    detector = Detector(DetectorConfig(reference_traces=reference_traces,
-                                       pins={(rev2.model_id, rev2.revision): rev1.revision}))
+    detector = DetectorConfig(reference_traces=reference_traces, pins={(rev2.model_id, rev2.revision): rev1.revision})
+    measuring = MeasuringThread(MeasurerSpec(Keyring({KEY_ID: SECRET}), ScopePolicy.parse(["demo:*"]), Limits(),
+                                             detector, dedupe_window=100_000))
+    measuring.sync_contracts(contracts)
     topics = Topics()
-    pipeline = Pipeline(keyring=Keyring({KEY_ID: SECRET}), scopes=ScopePolicy.parse(["demo:*"]), contracts=contracts,
-                        detector=detector, metrics=metrics, topics=topics, join_ttl=30.0, clock=clock)
+    pipeline = Pipeline(measuring, metrics=metrics, topics=topics, join_ttl=30.0, clock=clock)
+    try:
+        return _serve_requests(pipeline, rng, clock, (rev1, rev2), requests, pace)
+    finally:
+        pipeline.close()
+        measuring.close()
+
+
+def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock, models: tuple[SyntheticModel, ...],
+                    requests: int, pace: float) -> DemoResult:
+    metrics, topics = pipeline.metrics, pipeline.topics
+    rev1, rev2 = models
     result = DemoResult()
     offset = 0
     for model, count in ((rev1, requests), (rev2, requests)):
         contract = model.contract()
         for layer in range(model.layers):
-            metrics.declare(metrics.model_labels(model.model_id, model.revision), layer)
+            metrics.layer(model.model_id, model.revision, layer)  # every series at zero from the start
         for i in range(count):
             collapse = min(0.9, max(0.0, (i - 40) / 60)) if model is rev2 else 0.0
             request_id = f"{model.revision}-req-{i:04d}"
@@ -90,13 +106,12 @@ def run_demo(registry: CollectorRegistry, *, requests: int = 240, pace: float = 
                 records.append(Record(topics.traces, 0, offset, b"bad", encode(
                     bad, np.full((model.heads, 2, 4), 0.25, np.float16), "unknown-key", b"0" * 32)))
                 offset += 1
-            for record in records:
-                _collect(result, pipeline.process(record))
+            _collect(result, pipeline.process(records).result().outputs)
             clock.now += 0.1
             if pace:
                 time.sleep(pace)
     clock.now += 3600  # the end of the run: whatever still waits has no outcome
-    _collect(result, pipeline.expire())
+    _collect(result, pipeline.process([]).result().outputs)
     return result
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.contract import LayerContract, ModelContract, Scope, TraceHeader
+from monitor.model_contract import LayerContract, ModelContract
+from monitor.schema import Scope, TraceHeader
 
 ROLES = ("local", "sink", "broad", "peaked")
 
@@ -59,9 +60,10 @@ def head_logits(rng: np.random.Generator, role: str, positions: NDArray[np.int64
     """Pre-softmax scores ``[rows, keys]`` for one head with ``role``."""
     k = np.arange(keys)[None, :]
     p = positions[:, None]
-    noise = rng.normal(0.0, 0.6, size=(len(positions), keys))
+    noise: NDArray[np.float64] = rng.normal(0.0, 0.6, size=(len(positions), keys))
     if role == "local":
-        return -0.8 * np.abs(p - 1 - k) + noise
+        distance: NDArray[np.float64] = np.abs(p - 1 - k).astype(np.float64)
+        return -0.8 * distance + noise
     if role == "sink":
         return np.where(k == 0, 6.0, 0.0) + noise
     if role == "peaked":
@@ -124,7 +126,7 @@ def make_header(
         key_count=keys,
         mask=contract.mask,
         scale=contract.scale,
-        dtype=dtype,  # type: ignore[arg-type]
+        dtype=dtype,
         sample_rate=0.01,
         scope=scope or Scope(tenant="demo", data_class="synthetic"),
         producer_id=producer_id,

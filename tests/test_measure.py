@@ -1,24 +1,25 @@
-"""The trace stage: batched metrics give what trace-by-trace metrics give, and one
-trace's failure costs no other trace its result."""
+"""The measurer: batched metrics give what trace-by-trace metrics give, and one trace's
+failure costs no other trace its result."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import monitor.stage as stage_module
+import monitor.measure as measure_module
 from monitor.codec import encode
 from monitor.core.detect import Detector, DetectorConfig
 from monitor.errors import RejectReason
+from monitor.measure import Duplicate, Measured, Measurer, Rejected
 from monitor.model_contract import ContractTable
-from monitor.stage import Duplicate, Measured, Record, Rejected, TraceStage
+from monitor.records import Record
 from tests.factories import CONTRACT, KEY_ID, KEYRING, SCOPES, SECRET, make_record, make_trace
 
 
-def make_stage() -> TraceStage:
+def make_measurer() -> Measurer:
     contracts = ContractTable()
     contracts.add(CONTRACT)
-    return TraceStage(keyring=KEYRING, scopes=SCOPES, contracts=contracts,
+    return Measurer(keyring=KEYRING, scopes=SCOPES, contracts=contracts,
                       detector=Detector(DetectorConfig(reference_traces=4)))
 
 
@@ -32,9 +33,9 @@ def mixed_records() -> list[Record]:
 
 def test_a_batch_gives_what_one_trace_at_a_time_gives():
     records = mixed_records()
-    batched = make_stage().run_many(records)
-    single = make_stage()
-    one_by_one = [single.run(r) for r in records]
+    batched = make_measurer().measure(records)
+    single = make_measurer()
+    one_by_one = [single.measure([r])[0] for r in records]
     assert [type(r) for r in batched] == [type(r) for r in one_by_one]
     assert [type(r) for r in batched][-2:] == [Duplicate, Rejected]
     for a, b in zip(batched, one_by_one, strict=True):
@@ -49,7 +50,7 @@ def test_a_batch_gives_what_one_trace_at_a_time_gives():
 
 def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
     records = [Record("traces", 0, i, b"k", make_record(i)) for i in range(5)]
-    real = stage_module.head_metrics
+    real = measure_module.head_metrics
     marked = []
 
     def flaky(weights, valid=None, **kwargs):
@@ -61,8 +62,8 @@ def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
         marked.append(True)
         return real(weights, valid, **kwargs)
 
-    monkeypatch.setattr(stage_module, "head_metrics", flaky)
-    results = make_stage().run_many(records)
+    monkeypatch.setattr(measure_module, "head_metrics", flaky)
+    results = make_measurer().measure(records)
     assert [type(r) for r in results] == [Measured, Rejected, Measured, Measured, Measured]
     assert results[1].reason is RejectReason.MALFORMED
     assert results[1].header is not None  # the header verified; it goes to the dead letter
@@ -80,7 +81,7 @@ def test_value_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons():
         if i == 3:
             weights[0, 0, 0] = -0.25
         values.append(encode(header, weights, KEY_ID, SECRET))
-    results = make_stage().run_many([Record("traces", 0, i, b"k", v) for i, v in enumerate(values)])
+    results = make_measurer().measure([Record("traces", 0, i, b"k", v) for i, v in enumerate(values)])
     assert [type(r) for r in results] == [Measured, Rejected, Measured, Rejected, Measured]
     assert (results[1].reason, results[3].reason) == (RejectReason.NON_FINITE, RejectReason.NEGATIVE)
     assert results[1].header is not None and results[3].header is not None

@@ -1,0 +1,152 @@
+"""The consumer group member: ``subscribe``, ``poll``, ``seek``, ``commit``, ``close``.
+
+kafka-python 3.0 runs rebalance listeners on its IO thread, so the listener here blocks
+on nothing: it records what changed, and the service acts on it between polls. Commits
+are always synchronous, from the service's own thread, after a batch's outputs are
+flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.errors import (
+    CommitFailedError,
+    IllegalGenerationError,
+    KafkaError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+)
+
+from monitor.broker.errors import infrastructure_error
+from monitor.errors import InfrastructureError
+from monitor.records import Record
+
+log = logging.getLogger(__name__)
+TP = tuple[str, int]
+
+
+class _Changes(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Remembers assignment changes; runs on kafka-python's IO thread, so it only records."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.revoked: set[TP] = set()
+        self.assigned: set[TP] = set()
+
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        with self._lock:
+            self.revoked |= {(tp.topic, tp.partition) for tp in revoked}
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        with self._lock:
+            self.assigned |= {(tp.topic, tp.partition) for tp in assigned}
+
+    def take(self) -> tuple[set[TP], set[TP]]:
+        with self._lock:
+            revoked, assigned = self.revoked, self.assigned
+            self.revoked, self.assigned = set(), set()
+        return revoked, assigned
+
+
+class GroupConsumer:
+    def __init__(self, kafka_config: dict[str, Any], group_id: str, topics: Sequence[str], *,
+                 max_records: int, max_partition_fetch_bytes: int):
+        self.topics = list(topics)
+        self.changes = _Changes()
+        self.positions: dict[TP, int] = {}
+        try:
+            self._consumer = KafkaConsumer(
+                group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+                # Range assigns partition i of every subscribed topic to the same member:
+                # a trace and its outcome (same key, same partition number) meet in one
+                # instance. (The sticky assignors do not co-partition.) Range is eager:
+                # every rebalance revokes everything, then assigns the full new set.
+                partition_assignment_strategy=(RangePartitionAssignor,),
+                # Small fetches keep memory flat; a record larger than these limits still
+                # arrives (the broker returns at least one record per fetch, KIP-74).
+                max_poll_records=max_records, max_partition_fetch_bytes=max_partition_fetch_bytes,
+                fetch_max_bytes=4 * max_partition_fetch_bytes, **kafka_config)
+        except KafkaError as exc:
+            raise infrastructure_error("cannot reach Kafka", exc) from exc
+
+    def check_topics(self, topics: Iterable[str]) -> None:
+        """Fail fast when a topic is missing or hidden by ACLs (a consumer without
+        DESCRIBE on a topic sees it as absent and would otherwise idle silently)."""
+        for topic in topics:
+            try:
+                parts = self._consumer.partitions_for_topic(topic)
+            except KafkaError as exc:
+                raise infrastructure_error(f"cannot describe topic {topic}", exc) from exc
+            if not parts:
+                raise InfrastructureError(f"topic {topic} does not exist or this principal may not describe it",
+                                          retriable=False)
+
+    def subscribe(self) -> None:
+        self._consumer.subscribe(self.topics, listener=self.changes)
+
+    def poll(self, timeout_ms: int) -> list[Record]:
+        try:
+            batches = self._consumer.poll(timeout_ms=timeout_ms)
+        except KafkaError as exc:
+            raise infrastructure_error("poll failed", exc) from exc
+        records = [Record(r.topic, r.partition, r.offset, r.key, r.value)
+                   for tp in sorted(batches, key=lambda t: (t.topic, t.partition)) for r in batches[tp]]
+        return records
+
+    def seek(self, positions: dict[TP, int]) -> None:
+        """Resume partitions kept across a rebalance where this instance left off
+        (an eager rebalance would otherwise rewind them to the last commit)."""
+        for (topic, partition), offset in positions.items():
+            try:
+                self._consumer.seek(TopicPartition(topic, partition), offset)
+            except (KafkaError, AssertionError) as exc:
+                log.warning("cannot resume %s/%d at %d: %s", topic, partition, offset, exc)
+
+    def forget(self, partitions: Iterable[TP]) -> None:
+        for tp in partitions:
+            self.positions.pop(tp, None)
+
+    def commit(self, offsets: dict[TP, int]) -> None:
+        if not offsets:
+            return
+        payload = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
+        try:
+            self._consumer.commit(payload)
+        except (CommitFailedError, RebalanceInProgressError, IllegalGenerationError, UnknownMemberIdError) as exc:
+            # The group moved on: these partitions are being reassigned and their new
+            # owner resumes from the previous commit. Nothing is lost; skip this commit.
+            log.warning("commit skipped during a rebalance: %s", type(exc).__name__)
+        except KafkaError as exc:
+            raise infrastructure_error("commit failed", exc) from exc
+
+    def committed(self, partitions: Iterable[TP]) -> dict[TP, int]:
+        out = {}
+        for topic, partition in partitions:
+            try:
+                offset = self._consumer.committed(TopicPartition(topic, partition))
+            except KafkaError as exc:
+                raise infrastructure_error("cannot read committed offsets", exc) from exc
+            out[(topic, partition)] = offset or 0
+        return out
+
+    def lag(self, topic: str) -> int:
+        total = 0
+        for tp in self._consumer.assignment():
+            if tp.topic != topic:
+                continue
+            high = self._consumer.highwater(tp)
+            if high is not None:
+                total += max(0, high - self.positions.get((tp.topic, tp.partition), high))
+        return total
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+

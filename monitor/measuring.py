@@ -1,0 +1,324 @@
+"""Where measuring runs beside the consumer: a thread, or a child process.
+
+kafka-python's fetching and record parsing and the :class:`~monitor.measure.Measurer`
+(decode, metrics, detection) are all Python; in one process they take turns on one
+interpreter lock, so the service could only ever run at the sum of their costs. A
+:class:`MeasuringProcess` runs the measurer in a child (spawned, so it inherits no Kafka
+client threads) and the service consumes the next batch while the child measures this
+one; a :class:`MeasuringThread` runs it in a thread of the service's own process.
+
+Both take the same :class:`Command` values, executed one after the other in submission
+order by a single worker, so the measurer sees exactly the sequence an in-process one
+would. Results come back as :mod:`monitor.measure` values, never weights.
+
+The child talks over two plain pipes, read by one thread on each side; no named
+semaphores are involved (``ProcessPoolExecutor`` would create five in /dev/shm, left
+behind whenever the service's whole process group is killed). Record values travel
+through a :class:`~monitor.ring.SharedRing`. The child ignores SIGINT and SIGTERM (the
+service decides when to stop, and stops it after the last batch); it leaves when its
+request pipe closes, which also happens when the service dies by ``kill -9``. If the
+child dies, :class:`~monitor.errors.MeasuringFailed` is raised from the next call or
+result: nothing was committed for the records in flight, so they are read again after a
+restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import signal
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from monitor import ring as ring_module
+from monitor.errors import MeasuringFailed
+from monitor.measure import Measurer, MeasurerSpec, Result
+from monitor.memory import reuse_freed_memory
+from monitor.model_contract import ContractTable
+from monitor.records import Record
+
+log = logging.getLogger(__name__)
+
+#: a chunk of trace records measured at once (as a batch): small enough that the ring
+#: holds many chunks in flight, large enough that the per-chunk overhead does not matter
+CHUNK_BYTES = 2 * 1024 * 1024
+CHUNK_RECORDS = 64
+#: the shared ring that carries record values to the child; a value larger than the
+#: ring goes through the pipe instead
+RING_BYTES = 32 * 1024 * 1024
+#: how long closing waits for the child to leave before it is killed
+STOP_TIMEOUT_S = 10.0
+#: a record in the ring: topic, partition, offset, start, length
+Placed = tuple[str, int, int, int, int]
+
+
+class Command(Enum):
+    """What a measurer is asked to do; the arguments are in :func:`execute`."""
+
+    MEASURE = "measure"  #: (records,) → results
+    MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
+    SET_CONTRACTS = "set_contracts"  #: (contracts,)
+    FORGET = "forget"  #: (trace ids,): let these traces through again
+    STATE = "state"  #: () → the detector's reference state
+    PING = "ping"  #: () → None, once everything before it is done
+    STOP = "stop"  #: (): the child leaves
+
+
+def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
+    """Carry out one command on ``measurer``."""
+    if command is Command.MEASURE:
+        return measurer.measure(args[0])
+    if command is Command.MEASURE_PLACED:
+        if ring is None:
+            raise ValueError("records placed in a ring, but there is no ring here")
+        return measurer.measure([Record(topic, partition, offset, None, ring[start : start + length])
+                                 for topic, partition, offset, start, length in args[0]])
+    if command is Command.SET_CONTRACTS:
+        return measurer.set_contracts(args[0])
+    if command is Command.FORGET:
+        return measurer.forget(args[0])
+    if command is Command.STATE:
+        return measurer.detector.state_dict()
+    if command is Command.PING:
+        return None
+    raise ValueError(f"{command} is not executed by a measurer")
+
+
+class Measuring(Protocol):
+    """What the pipeline needs from a thread or process that measures."""
+
+    def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
+        """Queue trace records; their results, chunk by chunk, in order."""
+
+    def forget(self, trace_ids: list[str]) -> None:
+        """Let these traces through the de-duplication window again."""
+
+
+def results(futures: list[Future[list[Result]]]) -> Iterator[Result]:
+    """The results of submitted chunks, in record order."""
+    for future in futures:
+        yield from future.result()
+
+
+def chunks(records: list[Record]) -> Iterator[tuple[list[Record], int]]:
+    """Records in chunks of at most ``CHUNK_RECORDS`` and about ``CHUNK_BYTES``, with
+    their sizes."""
+    chunk: list[Record] = []
+    size = 0
+    for record in records:
+        chunk.append(record)
+        size += len(record.value or b"")
+        if size >= CHUNK_BYTES or len(chunk) >= CHUNK_RECORDS:
+            yield chunk, size
+            chunk, size = [], 0
+    if chunk:
+        yield chunk, size
+
+
+class _Ordered:
+    """Commands go out in order; keeps the contract table's version last sent."""
+
+    _contracts_version = -1
+
+    def call(self, command: Command, *args: Any) -> Future[Any]:
+        raise NotImplementedError
+
+    def sync_contracts(self, table: ContractTable) -> None:
+        """Send the contract table if it changed since the last call."""
+        if table.version != self._contracts_version:
+            self._contracts_version = table.version
+            self.call(Command.SET_CONTRACTS, table.contracts())
+
+    def forget(self, trace_ids: list[str]) -> None:
+        if trace_ids:
+            self.call(Command.FORGET, trace_ids)
+
+    def state(self) -> Future[dict[str, Any]]:
+        """The detector's reference state, after everything submitted so far."""
+        return self.call(Command.STATE)
+
+    def ping(self) -> None:
+        self.call(Command.PING).result()
+
+
+class MeasuringThread(_Ordered):
+    """The measurer in one worker thread of this process."""
+
+    def __init__(self, spec: MeasurerSpec):
+        self._measurer = spec.build()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="measuring")
+
+    def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
+        return [self.call(Command.MEASURE, chunk) for chunk, _ in chunks(records)]
+
+    def call(self, command: Command, *args: Any) -> Future[Any]:
+        return self._worker.submit(execute, self._measurer, command, args)
+
+    def check(self) -> None:
+        """A thread does not die on its own: a failing call raises from its future."""
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+class MeasuringProcess(_Ordered):
+    """The measurer in a spawned child process, fed through a shared ring."""
+
+    def __init__(self, spec: MeasurerSpec):
+        self._ring = ring_module.SharedRing(RING_BYTES)
+        try:
+            self._child = _Child(spec, self._ring.path)
+            try:
+                self.ping()  # a child that cannot start fails the service at once
+            except BaseException:
+                self._child.close()
+                raise
+        finally:
+            self._ring.unlink()  # mapped by both processes now (or the child never started)
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.process.pid
+
+    @property
+    def ring_path(self) -> str:
+        return self._ring.path
+
+    def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
+        return [self._send(chunk, size) for chunk, size in chunks(records)]
+
+    def _send(self, chunk: list[Record], size: int) -> Future[list[Result]]:
+        if size > self._ring.size:
+            return self.call(Command.MEASURE, chunk)
+        start = self._ring.reserve(size)
+        placed: list[Placed] = []
+        for record in chunk:
+            value = record.value or b""
+            self._ring.buffer[start : start + len(value)] = value
+            placed.append((record.topic, record.partition, record.offset, start, len(value)))
+            start += len(value)
+        future: Future[list[Result]] = self.call(Command.MEASURE_PLACED, placed)
+        self._ring.hold(start - size, start, future)
+        return future
+
+    def call(self, command: Command, *args: Any) -> Future[Any]:
+        return self._child.call(command, args)
+
+    def check(self) -> None:
+        """Raise :class:`MeasuringFailed` if the child has died (a flag read: its
+        results pipe closing tells at once)."""
+        self._child.check()
+
+    def close(self) -> None:
+        self._child.close()
+        self._ring.close()
+
+
+def start_measuring(spec: MeasurerSpec, processes: int) -> MeasuringThread | MeasuringProcess:
+    """``processes`` 0: a thread of this process; 1: a child process."""
+    if processes == 0:
+        return MeasuringThread(spec)
+    if processes == 1:
+        return MeasuringProcess(spec)
+    raise ValueError(f"measuring processes must be 0 (a thread) or 1 (a child process), got {processes}")
+
+
+class _Child:
+    """The spawned measuring process, serving commands one after the other: requests go
+    down one pipe, results come back up another, where a thread matches them to the
+    futures waiting in order."""
+
+    def __init__(self, spec: MeasurerSpec, ring_path: str):
+        ctx = multiprocessing.get_context("spawn")
+        requests, self._requests = ctx.Pipe(duplex=False)
+        self._results, results_end = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(requests, results_end, spec, ring_path),
+                                   name="attention-monitor-measuring", daemon=True)
+        self.process.start()
+        requests.close()  # only the child holds these ends now: its exit closes them
+        results_end.close()
+        self._waiting: deque[Future[Any]] = deque()
+        self._send = threading.Lock()
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="measuring-results", daemon=True)
+        self._reader.start()
+
+    def call(self, command: Command, args: tuple[Any, ...]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._send:
+            self.check()
+            self._waiting.append(future)  # before sending: the reader may answer at once
+            try:
+                self._requests.send((command, args))
+            except OSError as exc:
+                self._fail(f"cannot reach it: {exc}")
+        return future
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise MeasuringFailed(f"the measuring process died: {self._failure}")
+
+    def close(self) -> None:
+        if self._failure is None:
+            with contextlib.suppress(OSError):
+                self._requests.send((Command.STOP, ()))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._requests.close()
+        self._reader.join(STOP_TIMEOUT_S)
+        self._results.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ok, value = self._results.recv()
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                self._fail(f"exit code {self.process.exitcode}")
+                return
+            future = self._waiting.popleft()
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+        while self._waiting:
+            self._waiting.popleft().set_exception(MeasuringFailed(f"the measuring process died: {self._failure}"))
+
+
+def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ring_path: str) -> None:
+    """The child's main loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[measuring]: %(message)s")
+    if spec.reuse_freed_memory:
+        reuse_freed_memory()
+    ring = ring_module.attach(ring_path)
+    measurer = spec.build()
+    while True:
+        try:
+            command, args = requests.recv()
+        except (EOFError, OSError):
+            return  # the service is gone
+        if command is Command.STOP:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, execute(measurer, command, args, ring))
+        except Exception as exc:  # a bug, not a record: the caller's future raises it
+            log.exception("measuring command %s failed", command.value)
+            reply = (False, RuntimeError(f"measuring command {command.value} failed: {type(exc).__name__}: {exc}"))
+        try:
+            results_end.send(reply)
+        except (OSError, ValueError):
+            return

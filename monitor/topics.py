@@ -1,0 +1,48 @@
+"""The monitor's topics: their default names and how they are laid out. The one home of
+both: settings, the producer, ``attention-monitor topics create``, ``make kafka`` and
+``docker-compose.yml`` (which runs that command) all take them from here.
+
+Traces and outcomes are keyed by request id and must have the same partition count, so
+a trace and its outcome land on the same partition number and meet in one instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: room for a 16 MiB trace record plus its header, matching the monitor's record limit
+TRACE_RECORD_BYTES = 16 * 1024 * 1024 + 64 * 1024
+
+
+@dataclass(frozen=True)
+class Topics:
+    traces: str = "attention-traces"
+    outcomes: str = "task-outcomes"
+    contracts: str = "attention-contracts"
+    anomalies: str = "attention-anomalies"
+    dead_letter: str = "attention-dead-letter"
+
+
+DEFAULT = Topics()
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
+    """Every topic the monitor reads or writes, as it should be created. ``partitions``
+    bounds how many instances share the work (traces, outcomes and anomalies get that
+    many; the contracts topic is one compacted partition read in full by everyone)."""
+    if partitions < 1:
+        raise ValueError("partitions must be at least 1")
+    return [
+        TopicSpec(topics.traces, partitions, {"max.message.bytes": str(TRACE_RECORD_BYTES)}),
+        TopicSpec(topics.outcomes, partitions),
+        TopicSpec(topics.contracts, 1, {"cleanup.policy": "compact"}),
+        TopicSpec(topics.anomalies, partitions),
+        TopicSpec(topics.dead_letter, max(1, partitions // 4)),
+    ]
