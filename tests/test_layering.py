@@ -1,4 +1,8 @@
-"""Imports point one way: monitor/core is pure (numpy + stdlib + itself)."""
+"""Imports point one way. monitor/core and monitor/routing are pure (numpy + stdlib +
+themselves); every other module sits on a rank of the table below and imports only from
+lower ranks, so the record's path reads top-down and no import circle can form. Only
+``monitor.broker`` imports the Kafka client; only ``monitor.integrations`` imports torch
+or transformers. A new module must be given its rank here."""
 
 from __future__ import annotations
 
@@ -6,51 +10,128 @@ import ast
 import sys
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parent.parent / "monitor" / "core"
+PACKAGE = Path(__file__).resolve().parent.parent / "monitor"
+PURE = ("core", "routing")
 ALLOWED_THIRD_PARTY = {"numpy"}
 
+#: lowest first; a unit is a module, or a whole package for the folders named here
+RANKS: list[set[str]] = [
+    {"core"},
+    {"routing", "errors", "records", "topics", "memory"},
+    {"wire", "schema", "model_contract"},
+    {"access", "deadletter", "checkpoint", "exporter", "http", "ring", "state_file", "assignment"},
+    {"codec"},
+    {"settings", "measure"},
+    {"measuring", "broker"},
+    {"pipeline", "producer"},
+    {"service"},
+    {"tools", "integrations"},
+    {"cli"},
+    {"__main__"},
+]
+PACKAGES = {"core", "routing", "broker", "tools", "integrations"}
+ONLY_HERE = {"kafka": "broker", "torch": "integrations", "transformers": "integrations"}
 
-def _imported_modules(path: Path, root: Path = CORE) -> list[tuple[int, str]]:
+
+def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """Absolute module names imported anywhere in the file (function-level imports too);
+    ``from monitor import x`` counts as an import of ``monitor.x`` when x is a module."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    package = ["monitor", *path.relative_to(root).parent.parts]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative import: stays inside monitor.core only if it does not climb out
-                package = path.relative_to(root).parent.parts
-                if node.level - 1 > len(package):
-                    found.append((node.lineno, "." * node.level + (node.module or "")))
-                continue
-            found.append((node.lineno, node.module or ""))
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            found.append((node.lineno, base))
+            if base == "monitor":
+                found += [(node.lineno, f"monitor.{alias.name}") for alias in node.names
+                          if (root / alias.name).is_dir() or (root / f"{alias.name}.py").exists()]
     return found
 
 
-def _allowed(module: str) -> bool:
+def _unit(module: str) -> str | None:
+    """The ranked unit of a ``monitor.…`` module name (None for the package itself)."""
+    parts = module.split(".")
+    if parts[0] != "monitor" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def _rank(unit: str) -> int:
+    for rank, units in enumerate(RANKS):
+        if unit in units:
+            return rank
+    raise AssertionError(f"monitor.{unit} has no rank in tests/test_layering.py")
+
+
+def _modules() -> list[tuple[Path, str]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts == ("__init__.py",):
+            continue
+        out.append((path, rel.parts[0].removesuffix(".py")))
+    return out
+
+
+def test_every_module_has_a_rank():
+    for _, unit in _modules():
+        _rank(unit)
+
+
+def test_imports_only_point_down():
+    bad = []
+    for path, unit in _modules():
+        for line, module in _imports(path):
+            target = _unit(module)
+            if target is None or target == unit:
+                continue
+            if _rank(target) >= _rank(unit):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({unit}, rank {_rank(unit)}) imports {module} "
+                           f"(rank {_rank(target)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_kafka_client_and_torch_stay_at_their_edges():
+    bad = []
+    for path, unit in _modules():
+        for line, module in _imports(path):
+            home = ONLY_HERE.get(module.split(".")[0])
+            if home is not None and unit != home:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module} (only monitor.{home} may)")
+    assert not bad, "\n".join(bad)
+
+
+def _pure(module: str) -> bool:
     top = module.split(".")[0]
     return (
-        module == "monitor.core"
-        or module.startswith("monitor.core.")
+        any(module == f"monitor.{p}" or module.startswith(f"monitor.{p}.") for p in PURE)
         or top in ALLOWED_THIRD_PARTY
         or top in sys.stdlib_module_names
         or top == "__future__"
     )
 
 
-def test_core_imports_only_numpy_stdlib_and_itself():
-    files = sorted(CORE.rglob("*.py"))
+def test_core_and_routing_import_only_numpy_stdlib_and_themselves():
+    files = [path for name in PURE for path in sorted((PACKAGE / name).rglob("*.py"))]
     assert files, "monitor/core has no modules"
-    bad = [
-        f"{path.relative_to(CORE.parent.parent)}:{line} imports {module}"
-        for path in files
-        for line, module in _imported_modules(path)
-        if not _allowed(module)
-    ]
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+           for path in files for line, module in _imports(path) if not _pure(module)]
     assert not bad, "\n".join(bad)
 
 
-def test_the_check_itself_catches_a_forbidden_import(tmp_path):
-    probe = tmp_path / "probe.py"
+def test_the_checks_themselves_catch_what_they_forbid(tmp_path):
+    root = tmp_path / "monitor"
+    (root / "core").mkdir(parents=True)
+    for name in ("settings.py", "cli.py", "core/metrics.py"):
+        (root / name).write_text("")
+    probe = root / "core" / "probe.py"
     probe.write_text("import pydantic\nfrom monitor import settings\nfrom .. import cli\nfrom . import metrics\n")
-    modules = [m for _, m in _imported_modules(probe, root=tmp_path)]
-    assert [m for m in modules if not _allowed(m)] == ["pydantic", "monitor", ".."]
+    modules = [m for _, m in _imports(probe, root)]
+    assert modules == ["pydantic", "monitor", "monitor.settings", "monitor", "monitor.cli", "monitor.core"]
+    assert [m for m in modules if not _pure(m)] == ["pydantic", "monitor", "monitor.settings", "monitor",
+                                                    "monitor.cli"]
+    assert _unit("monitor.settings") == "settings" and _rank("settings") > _rank("codec")
