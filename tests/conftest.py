@@ -1,8 +1,11 @@
 """Fixtures that start real services: Kafka (plaintext and SCRAM+ACL profiles),
-Prometheus with Alertmanager and a webhook receiver.
+Prometheus with Alertmanager and a webhook receiver, and the promtool/amtool binaries.
 
 A service that cannot start fails the test with the reason (devstack's
-``ServiceError`` carries the log tail); nothing is skipped.
+``ServiceError`` carries the log tail); nothing is skipped. A test that uses one of
+these fixtures must carry its marker (``kafka`` or ``prometheus``), so that
+``pytest -m "not kafka and not prometheus"`` runs with no service at all: a test
+that does not is failed at setup.
 """
 
 from __future__ import annotations
@@ -17,8 +20,29 @@ import pytest
 from kafka import KafkaAdminClient
 
 from devstack.kafka import KafkaBroker, start_broker
-from devstack.prometheus import Alertmanager, Prometheus, start_alertmanager, start_prometheus
+from devstack.prometheus import Alertmanager, Prometheus, binary, start_alertmanager, start_prometheus
 from devstack.webhook import WebhookReceiver
+
+#: fixture -> the marker a test using it (directly or through other fixtures) must carry
+NEEDS_MARKER = {"kafka_broker": "kafka", "scram_broker": "kafka", "prometheus_stack": "prometheus",
+                "promtool": "prometheus", "amtool": "prometheus"}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    used = getattr(item, "fixturenames", ())
+    for fixture, marker in NEEDS_MARKER.items():
+        if fixture in used and item.get_closest_marker(marker) is None:
+            pytest.fail(f"{item.nodeid} uses {fixture} but is not marked @pytest.mark.{marker}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return binary("promtool")
+
+
+@pytest.fixture(scope="session")
+def amtool() -> str:
+    return binary("amtool")
 
 
 @pytest.fixture(scope="session")

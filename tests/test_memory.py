@@ -9,8 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from kafka import KafkaProducer
 
+pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = 300
 

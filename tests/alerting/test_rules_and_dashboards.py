@@ -29,12 +29,13 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=False)
 
 
-def test_promtool_checks_and_unit_tests_pass():
-    check = run("promtool", "check", "rules", str(RULES))
+@pytest.mark.prometheus
+def test_promtool_checks_and_unit_tests_pass(promtool):
+    check = run(promtool, "check", "rules", str(RULES))
     assert check.returncode == 0, check.stdout + check.stderr
     tests = sorted((REPO / "alerts" / "tests").glob("*.test.yml"))
     assert tests
-    result = run("promtool", "test", "rules", *map(str, tests))
+    result = run(promtool, "test", "rules", *map(str, tests))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -86,12 +87,13 @@ def test_one_runbook_per_alert_with_the_four_sections_and_no_pruning():
             assert "ablation" in text, f"{name} must point to the evidence a specialization claim needs"
 
 
-def test_alertmanager_config_and_routing():
-    check = run("amtool", "check-config", str(ALERTMANAGER))
+@pytest.mark.prometheus
+def test_alertmanager_config_and_routing(amtool):
+    check = run(amtool, "check-config", str(ALERTMANAGER))
     assert check.returncode == 0, check.stdout + check.stderr
     for labels, receiver in ((["severity=critical"], "pager"), (["severity=warning"], "tickets"),
                              (["severity=info"], "chat"), (["severity=warning", "team=security"], "security")):
-        route = run("amtool", "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
+        route = run(amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
         assert route.stdout.strip() == receiver, (labels, route.stdout, route.stderr)
 
 
