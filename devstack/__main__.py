@@ -1,11 +1,13 @@
 """Start the development services by hand.
 
-    python -m devstack kafka [--profile plaintext|scram]
+    python -m devstack kafka [--profile plaintext|scram] [--partitions N] [--no-topics]
     python -m devstack prometheus --target JOB=HOST:PORT [--alertmanager]
     python -m devstack classpath
 
 Each command prints how to connect and runs until interrupted (Ctrl-C), then stops
-the service cleanly and removes its temporary data.
+the service cleanly and removes its temporary data. The broker starts with the
+monitor's topics created as ``attention-monitor topics create`` (and docker-compose.yml)
+creates them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 
 from devstack import kafka, prometheus
 from devstack.process import ServiceError
+from monitor.errors import MonitorError
 
 
 def _block_until_interrupted() -> None:
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kafka", help="run a single-node KRaft broker on 127.0.0.1")
     k.add_argument("--profile", choices=kafka.PROFILES, default="plaintext",
                    help="plaintext, or SASL/SCRAM-SHA-512 with ACLs and default deny")
+    k.add_argument("--partitions", type=int, default=2, help="partitions of the traces, outcomes and anomalies "
+                   "topics (default 2)")
+    k.add_argument("--no-topics", action="store_true", help="start without the monitor's topics")
     p = sub.add_parser("prometheus", help="run Prometheus on deploy/prometheus/prometheus.yml")
     p.add_argument("--target", action="append", default=[], metavar="JOB=HOST:PORT",
                    help="a scrape target (repeatable), e.g. attention-monitor=127.0.0.1:9464")
@@ -52,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kafka ({args.profile}) ready: bootstrap {broker.bootstrap}")
             if args.profile == "scram":
                 print(f"  super user {kafka.ADMIN_USER} / {kafka.ADMIN_PASSWORD}, {kafka.MECHANISM}")
+            if not args.no_topics:
+                from monitor.broker.admin import create_topics
+                from monitor.topics import layout
+
+                specs = layout(partitions=args.partitions)
+                create_topics(broker.client_config(), specs, replication_factor=1)
+                print(f"  topics {', '.join(spec.name for spec in specs)}")
+            print(f"  export ATTENTION_MONITOR_BOOTSTRAP_SERVERS={broker.bootstrap}")
             print(f"  log {broker.process.log_path}")
             _block_until_interrupted()
             broker.stop()
@@ -72,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if am:
             am.stop()
         return 0
-    except ServiceError as exc:
+    except (ServiceError, MonitorError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -63,3 +63,11 @@ def test_compose_mounts_the_files_the_tests_use():
     mounts = {v.split(":")[0] for s in services.values() for v in s.get("volumes", []) if v.startswith("./")}
     for path in mounts | {s["file"] for s in _compose()["secrets"].values()}:
         assert (REPO / path).exists(), f"docker-compose.yml mounts {path}, which is not in the repository"
+
+
+def test_compose_creates_the_topics_with_the_monitors_own_command():
+    services = _compose()["services"]
+    topics = services["kafka-topics"]
+    assert topics["image"] == services["monitor"]["image"]
+    assert topics["command"][:3] == ["attention-monitor", "topics", "create"]
+    assert services["monitor"]["depends_on"]["kafka-topics"]["condition"] == "service_completed_successfully"
