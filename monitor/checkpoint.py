@@ -8,13 +8,17 @@ Only the safetensors *header* is read for shapes: 8 bytes little-endian header l
 then a JSON object ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": …}``.
 The model revision is the SHA-256 of the checkpoint files' bytes (in the order given),
 so it names the weights exactly.
+
+Tensor names differ by family; :data:`PATTERNS` knows decoder (Llama-style), encoder
+(BERT-style) and DistilBERT names, and any other scheme is one regular expression away
+(``pattern``, ``--pattern``): it must name the groups ``layer`` and ``proj``, where
+``proj`` is one of the names in :data:`PROJECTIONS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 from collections.abc import Sequence
@@ -24,8 +28,26 @@ from typing import Any
 from monitor.model_contract import LayerContract, ModelContract
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-#: Llama/Mistral/Qwen-style names: model.layers.N.self_attn.{q,k,v,o}_proj.weight
-DEFAULT_PATTERN = r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>[qkvo])_proj\.weight$"
+#: attention projection tensors, by naming scheme
+PATTERNS = {
+    # Llama, Mistral, Qwen, Gemma, …: model.layers.N.self_attn.{q,k,v,o}_proj.weight
+    "decoder": r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>[qkvo])_proj\.weight$",
+    # BERT, RoBERTa, MiniLM, ELECTRA, …: encoder.layer.N.attention.self.query.weight, ….output.dense.weight
+    "encoder": r"(?:^|\.)layer\.(?P<layer>\d+)\.attention\.(?P<proj>self\.(?:query|key|value)|output\.dense)\.weight$",
+    # DistilBERT: transformer.layer.N.attention.{q,k,v,out}_lin.weight
+    "distilbert": r"(?:^|\.)layer\.(?P<layer>\d+)\.attention\.(?P<proj>[qkv]|out)_lin\.weight$",
+}
+#: what a ``proj`` group may say, and which projection it is
+PROJECTIONS = {"q": "q", "k": "k", "v": "v", "o": "o", "out": "o", "query": "q", "key": "k", "value": "v",
+               "self.query": "q", "self.key": "k", "self.value": "v", "output.dense": "o"}
+#: model types whose self-attention is bidirectional (unless the config says is_decoder)
+ENCODER_MODEL_TYPES = frozenset({"albert", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra",
+                                 "ernie", "modernbert", "mpnet", "roberta", "xlm-roberta"})
+
+
+def default_mask(model_type: str | None, is_decoder: bool = False) -> str:
+    """``bidirectional`` for encoder model types, ``causal`` otherwise."""
+    return "bidirectional" if model_type in ENCODER_MODEL_TYPES and not is_decoder else "causal"
 
 
 class CheckpointError(ValueError):
@@ -73,23 +95,26 @@ def derive_contract(
     config: dict[str, Any],
     *,
     model_id: str,
-    mask: str = "causal",
+    mask: str | None = None,
     scale: float | None = None,
     revision: str | None = None,
-    pattern: str = DEFAULT_PATTERN,
+    pattern: str | None = None,
 ) -> ModelContract:
-    """Build the model contract from checkpoint files and a Hugging Face style config."""
+    """Build the model contract from checkpoint files and a Hugging Face style config.
+    Without ``pattern`` every known naming scheme is tried; without ``mask``, encoder
+    model types are bidirectional and everything else causal."""
     shapes: dict[str, tuple[int, ...]] = {}
     for path in paths:
         shapes.update(read_shapes(path))
-    projections: dict[int, dict[str, tuple[int, ...]]] = {}
-    regex = re.compile(pattern)
-    for name, shape in shapes.items():
-        match = regex.search(name)
-        if match:
-            projections.setdefault(int(match["layer"]), {})[match["proj"]] = shape
-    if not projections:
-        raise CheckpointError(f"no attention projections match {pattern!r} in {len(shapes)} tensors")
+    candidates = [pattern] if pattern is not None else list(PATTERNS.values())
+    for candidate in candidates:
+        projections = _projections(shapes, candidate)
+        if projections:
+            break
+    else:
+        sample = ", ".join(sorted(shapes)[:5])
+        raise CheckpointError(f"no attention projections match {' or '.join(map(repr, candidates))} in "
+                              f"{len(shapes)} tensors (e.g. {sample}); give --pattern with groups layer and proj")
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int) or heads <= 0:
         raise CheckpointError("config.num_attention_heads must be a positive integer")
@@ -98,10 +123,30 @@ def derive_contract(
     return ModelContract(
         model_id=model_id,
         model_revision=revision or weights_hash(paths),
-        mask=mask,
-        scale=scale if scale is not None else 1.0 / math.sqrt(head_dim),
+        mask=mask or default_mask(config.get("model_type"), bool(config.get("is_decoder", False))),
+        scale=scale if scale is not None else head_dim**-0.5,  # as transformers computes it
         layers=tuple(layers),
     )
+
+
+def _projections(shapes: dict[str, tuple[int, ...]], pattern: str) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Layer → projection (q, k, v, o) → shape, for the tensors ``pattern`` matches."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise CheckpointError(f"pattern {pattern!r} is not a regular expression: {exc}") from exc
+    if not {"layer", "proj"} <= regex.groupindex.keys():
+        raise CheckpointError(f"pattern {pattern!r} must name the groups layer and proj")
+    found: dict[int, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        match = regex.search(name)
+        if match is None:
+            continue
+        proj = PROJECTIONS.get(match["proj"])
+        if proj is None:
+            raise CheckpointError(f"{name}: projection {match['proj']!r} is none of {sorted(PROJECTIONS)}")
+        found.setdefault(int(match["layer"]), {})[proj] = shape
+    return found
 
 
 def _layer(number: int, proj: dict[str, tuple[int, ...]], heads: int, config: dict[str, Any]) -> LayerContract:

@@ -93,27 +93,35 @@ def contract_derive(
     checkpoint: Annotated[list[Path], typer.Argument(help="safetensors file(s) of the checkpoint")],
     config: Annotated[Path, typer.Option(help="the model's config.json (num_attention_heads, …)")],
     model_id: Annotated[str, typer.Option(help="the model id traces will carry")],
-    mask: Annotated[str, typer.Option(help="causal or bidirectional")] = "causal",
-    scale: Annotated[float | None, typer.Option(help="softmax scale (default 1/sqrt(head_dim))")] = None,
+    mask: Annotated[str | None, typer.Option(help="causal or bidirectional (default: bidirectional for "
+                                             "encoder model types such as bert, causal otherwise)")] = None,
+    scale: Annotated[float | None, typer.Option(help="softmax scale (default head_dim ** -0.5)")] = None,
     revision: Annotated[str | None, typer.Option(help="revision (default: sha256 of the files)")] = None,
+    pattern: Annotated[str | None, typer.Option(help="regex naming the attention projection tensors, with groups "
+                                                "layer and proj (q|k|v|o, query|key|value, self.query, "
+                                                "output.dense, …); default: the decoder, encoder and DistilBERT "
+                                                "schemes")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write here instead of stdout")] = None,
 ) -> None:
     """Derive the model contract from a checkpoint's tensor shapes and its config.
 
     Head counts, head dimensions and KV groups come from the tensors themselves; the
     config's num_attention_heads (and head_dim, num_key_value_heads when present) are
-    checked against them. Prints the contract JSON with its contract_id.
+    checked against them. Knows Llama-style (model.layers.N.self_attn.q_proj) and
+    BERT-style (encoder.layer.N.attention.self.query) names; --pattern for others.
+    Prints the contract JSON with its contract_id.
     """
     from pydantic import ValidationError
 
     from monitor.checkpoint import CheckpointError, derive_contract
 
-    if mask not in ("causal", "bidirectional"):
+    if mask not in (None, "causal", "bidirectional"):
         typer.echo(f"error: --mask must be causal or bidirectional, got {mask!r}", err=True)
         raise typer.Exit(EXIT_USAGE)
     cfg = _load_json(config, "config")
     try:
-        model = derive_contract(checkpoint, cfg, model_id=model_id, mask=mask, scale=scale, revision=revision)
+        model = derive_contract(checkpoint, cfg, model_id=model_id, mask=mask, scale=scale, revision=revision,
+                                pattern=pattern)
     except (CheckpointError, ValidationError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc

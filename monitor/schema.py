@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -12,10 +13,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = ["OUTCOMES", "Scope", "TaskOutcome", "TraceHeader"]
 
 SCHEMA_VERSION: Literal[1] = 1
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
+IDENTIFIER_MAX = 128
 #: the words a task outcome may say (a trace whose outcome never came is ``missing``)
 OUTCOMES = ("success", "failure")
 Outcome = Literal["success", "failure"]
-Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
+Identifier = Field(min_length=1, max_length=IDENTIFIER_MAX, pattern=IDENTIFIER_PATTERN)
+
+
+def check_identifier(value: str, what: str) -> str:
+    """``value`` if it can be a trace or request id; ``ValueError`` naming ``what`` otherwise."""
+    if not isinstance(value, str) or not 0 < len(value) <= IDENTIFIER_MAX or not re.match(IDENTIFIER_PATTERN, value):
+        raise ValueError(f"{what} {value!r} must be 1-{IDENTIFIER_MAX} characters of A-Z a-z 0-9 . _ : / @ + = -, "
+                         "starting with a letter or digit")
+    return value
 
 
 class Scope(BaseModel):
@@ -48,7 +59,9 @@ class TraceHeader(BaseModel):
     padding_side: Literal["left", "right"] = "right"
     padding: int = Field(default=0, ge=0, description="padded key positions on padding_side")
     scale: float = Field(gt=0)
-    weights_source: Literal["eager", "fallback"] = "eager"
+    weights_source: Literal["eager", "fallback", "recomputed"] = Field(
+        "eager", description="eager: the model's own weights; recomputed: from its query and key states (a tap "
+        "around fused attention); fallback: another path")
     dtype: Literal["float16", "float32"]
     sample_rate: float = Field(gt=0, le=1)
     scope: Scope

@@ -14,7 +14,9 @@ broker's ``message.max.bytes`` and this producer's ``max_request_size`` (default
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +29,9 @@ from monitor.model_contract import ContractTable, ModelContract
 from monitor.schema import TaskOutcome, TraceHeader
 from monitor.topics import DEFAULT, TRACE_RECORD_BYTES, Topics
 
+#: trace ids remembered to refuse a second use (a trace id is unique per request × layer)
+RECENT_TRACE_IDS = 100_000
+
 
 class TraceProducer:
     """Encodes, signs and sends; extra keyword arguments go to ``KafkaProducer``. Every
@@ -36,6 +41,8 @@ class TraceProducer:
         self.topics = topics
         self._key_id = key_id
         self._secret = secret
+        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._lock = threading.Lock()
         kafka_config.setdefault("max_request_size", TRACE_RECORD_BYTES)
         kafka_config.setdefault("linger_ms", 5)
         self._producer = KafkaProducer(**kafka_config)
@@ -47,8 +54,19 @@ class TraceProducer:
         return self._producer.send(self.topics.contracts, key=key, value=value)
 
     def send(self, header: TraceHeader, weights: NDArray[np.generic]) -> Any:
-        """Queue one trace (one request × one layer)."""
+        """Queue one trace (one request × one layer). A ``trace_id`` already sent (among
+        the last ``RECENT_TRACE_IDS``) raises ``ValueError``: the monitor would drop the
+        second record as a duplicate, so a request-level id would silently lose every
+        layer but the first."""
         value = encode(header, weights, self._key_id, self._secret)
+        with self._lock:
+            earlier = self._recent.get(header.trace_id)
+            if earlier is not None:
+                raise ValueError(f"trace_id {header.trace_id!r} was already sent (request {earlier[0]!r}, layer "
+                                 f"{earlier[1]}); a trace id must be unique per request × layer")
+            self._recent[header.trace_id] = (header.request_id, header.layer)
+            if len(self._recent) > RECENT_TRACE_IDS:
+                self._recent.popitem(last=False)
         return self._producer.send(self.topics.traces, key=header.request_id.encode(), value=value)
 
     def send_outcome(self, request_id: str, outcome: str, timestamp: float | None = None) -> Any:

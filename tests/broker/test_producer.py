@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from kafka import KafkaConsumer
 
-from monitor.producer import TraceProducer
+from monitor.producer import TaskOutcome, TraceProducer
 from monitor.topics import Topics
 from tests.factories import KEY_ID, SECRET, decode_default, make_trace
 
@@ -41,3 +41,26 @@ def test_produce_consume_decode_round_trip(kafka_broker, make_topic, unique_name
         trace = received[header.trace_id]
         assert trace.header == header
         np.testing.assert_array_equal(trace.weights, weights)
+
+
+def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure(kafka_broker, make_topic):
+    topics = Topics(traces=make_topic("traces"), outcomes=make_topic("outcomes"))
+    header, weights = make_trace(0, layer=0)
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=kafka_broker.bootstrap) as p:
+        p.send(header, weights).get(timeout=10)
+        # a request-level id reused for the next layer would be dropped by the monitor as a duplicate
+        layer_1, weights_1 = make_trace(1, layer=1, request_id=header.request_id)
+        with pytest.raises(ValueError, match="unique per request × layer"):
+            p.send(layer_1.model_copy(update={"trace_id": header.trace_id}), weights_1)
+        p.send(layer_1, weights_1).get(timeout=10)  # its own trace id: fine
+        with pytest.raises(ValueError, match="outcome"):
+            p.send_outcome(header.request_id, "ok")
+        p.send_outcome(header.request_id, "failure", timestamp=12.5).get(timeout=10)
+    consumer = KafkaConsumer(topics.outcomes, group_id=None, auto_offset_reset="earliest",
+                             bootstrap_servers=kafka_broker.bootstrap, enable_auto_commit=False)
+    try:
+        records = [r for batch in consumer.poll(timeout_ms=5000).values() for r in batch]
+    finally:
+        consumer.close()
+    assert [(r.key, TaskOutcome.model_validate_json(r.value)) for r in records] == [
+        (header.request_id.encode(), TaskOutcome(request_id=header.request_id, outcome="failure", timestamp=12.5))]

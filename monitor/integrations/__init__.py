@@ -1,0 +1,3 @@
+"""Integrations with model-serving code, each behind an optional extra
+(``pip install attention-monitor[transformers]``). The service and the core never import
+them."""
