@@ -281,7 +281,7 @@ class AttentionTap:
         on_host = real.cpu().numpy()[chosen]  # [S, K]
         among_real = np.cumsum(on_host, axis=1) - 1  # each real key's index among the sequence's real keys
         queries = on_host & (np.arange(k_len) >= offset)
-        keep = queries.any(axis=1)
+        keep: NDArray[np.bool_] = np.asarray(queries.any(axis=1))
         if not keep.any():
             state.plans[(k_len, offset)] = None
             return None
