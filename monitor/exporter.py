@@ -3,14 +3,16 @@ given (never the global one), and every label value comes from a closed set.
 
 Domain metrics (prefix ``attention_``), labels ``model``, ``revision``, ``layer`` and,
 at ``detail_level=head``, ``head``; anomaly and outcome counters add ``kind`` and
-``outcome``. Service metrics (prefix ``attention_monitor_``) carry at most ``reason``.
+``outcome``, incidents ``family``, unjudged traces ``reason``, and the judging revision
+is ``reference``. Service metrics (prefix ``attention_monitor_``) carry at most
+``reason``.
 
 Bounded labels: model and revision values pass a :class:`LabelGuard` — an allow-list
 of model ids when configured, otherwise the first ``max_model_revisions`` distinct
 (model, revision) pairs — and anything else becomes ``other``/``other`` and counts in
 ``attention_monitor_label_overflow_total``. Layers and heads come from verified model
 contracts. Series per model revision with ``L`` traced layers of ``H`` heads (see
-``docs/metrics.md``; ``_created`` series disabled): ``86·L`` at ``layer`` detail, plus
+``docs/metrics.md``; ``_created`` series disabled): ``95·L`` at ``layer`` detail, plus
 ``27·L·H`` at ``head`` detail.
 """
 
@@ -22,7 +24,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from monitor.core.detect import KINDS
+from monitor.core.detect import KINDS, Verdict
+from monitor.core.incidents import FAMILIES
 from monitor.core.join import MISSING
 from monitor.errors import RejectReason
 from monitor.schema import OUTCOMES as OUTCOME_WORDS
@@ -110,8 +113,22 @@ class MonitorMetrics:
         self.join_entries = Gauge(f"{s}join_entries", "Traces and outcomes waiting in the join buffer.", registry=r)
         self.join_evictions = Counter(f"{s}join_evictions", "Join buffer entries evicted, by reason (ttl, capacity).",
                                       ["reason"], registry=r)
-        self.last_trace = Gauge(f"{s}last_trace_timestamp_seconds", "Unix time the last verified trace was "
-                                "processed.", registry=r)
+        self.reference_traces = Gauge("attention_reference_traces", "Traces learnt by the reference that judges "
+                                      "the layer (or is learning to).", layer, registry=r)
+        self.reference_ready = Gauge("attention_reference_ready", "1 when a ready reference judges the layer's "
+                                     "traces, 0 while none does.", layer, registry=r)
+        self.reference_judge = Gauge("attention_reference_judge", "1 for the revision whose reference judges the "
+                                     "layer (label reference).", [*layer, "reference"], registry=r)
+        self.unjudged = Counter("attention_traces_unjudged", "Traces no reference judged, by reason (learning: "
+                                "they teach their revision's reference; no_reference: pinned to a reference not "
+                                "ready).", [*layer, "reason"], registry=r)
+        self.incident_open = Gauge("attention_incident_open", "1 while an incident of the family is open on the "
+                                   "layer (prompts for investigation, never pruning commands).", [*layer, "family"],
+                                   registry=r)
+        self.incidents = Counter("attention_incidents", "Incidents opened, by family.", [*layer, "family"],
+                                 registry=r)
+        self._registry = r
+        self._last_trace: Gauge | None = None  #: created by the first trace: absent until then
         self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
                                 registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
@@ -124,6 +141,13 @@ class MonitorMetrics:
         for rejected in RejectReason:  # a closed set: every reason exists from the start, at 0
             self.rejected.labels(rejected.value)
         self.outcomes_rejected.labels(RejectReason.MALFORMED.value)
+
+    def trace_processed(self, now: float) -> None:
+        """Set the last-trace timestamp (the series exists from the first trace on)."""
+        if self._last_trace is None:
+            self._last_trace = Gauge("attention_monitor_last_trace_timestamp_seconds", "Unix time the last verified "
+                                     "trace was processed (absent until the first).", registry=self._registry)
+        self._last_trace.set(now)
 
     def layer(self, model: str, revision: str, layer: int) -> LayerSeries:
         """The series of one model revision's layer (model and revision bounded by the
@@ -165,6 +189,13 @@ class LayerSeries:
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
+        self.reference_traces = metrics.reference_traces.labels(*key)
+        self.reference_ready = metrics.reference_ready.labels(*key)
+        self.unjudged = {reason: metrics.unjudged.labels(*key, reason) for reason in ("learning", "no_reference")}
+        self.incident_open = {family: metrics.incident_open.labels(*key, family) for family in FAMILIES}
+        self.incidents = {family: metrics.incidents.labels(*key, family) for family in FAMILIES}
+        self._metrics = metrics
+        self._judge: str | None = None
 
     def observe_trace(self, heads: Sequence[str], entropy: Sequence[float], concentration: Sequence[float],
                       sink_share: Sequence[float], diversity: float, effective_heads: float) -> None:
@@ -197,6 +228,22 @@ class LayerSeries:
 
     def observe_anomaly(self, kind: str) -> None:
         self.anomalies[kind].inc()
+
+    def observe_verdict(self, verdict: Verdict) -> None:
+        """Readiness: how many traces the judging reference holds, whether it judges, by
+        which revision; and the traces nothing judged."""
+        self.reference_traces.set(verdict.reference_traces)
+        self.reference_ready.set(1 if verdict.ready else 0)
+        if verdict.judged_by is None:
+            self.unjudged["learning" if verdict.learning else "no_reference"].inc()
+            return
+        judge = self._metrics.guard.labels(self.labels[0], verdict.judged_by)
+        value = OTHER if judge is None else judge[1]
+        if value != self._judge:
+            if self._judge is not None:
+                self._metrics.reference_judge.remove(*self._key, self._judge)
+            self._metrics.reference_judge.labels(*self._key, value).set(1)
+            self._judge = value
 
     def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
         self.trace_outcomes[outcome].inc()

@@ -24,12 +24,13 @@ import numpy as np
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, Trace, check_mass, check_values, decode
 from monitor.core._blocks import Scratch
-from monitor.core.detect import Anomaly, Detector, DetectorConfig, Observation
+from monitor.core.detect import Anomaly, Detector, DetectorConfig, Observation, Verdict
 from monitor.core.join import RecentKeys
 from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.model_contract import ContractTable, ModelContract
 from monitor.records import Record
+from monitor.references import ReferenceDecision
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class Measured:
     diversity: float
     effective_heads: float
     seconds: float  #: time spent decoding, measuring and judging (a batch's metrics time shared equally)
-    anomalies: list[Anomaly] = field(default_factory=list)
+    verdict: Verdict = field(default_factory=lambda: Verdict([], None, False, 0, False))
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        return self.verdict.anomalies
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,22 @@ class Measurer:
         for trace_id in trace_ids:
             self.recent.discard(("trace", trace_id))
 
+    def decide(self, decisions: list[ReferenceDecision]) -> None:
+        """Apply pins and promotions from the references topic, in order; a decision no
+        later than the one the state holds for its revision changes nothing."""
+        for d in decisions:
+            current = self.detector.decisions.get((d.model_id, d.revision))
+            if current is not None and current.source != "settings" and current.at >= d.at:
+                continue
+            if d.action == "promote":
+                self.detector.promote(d.model_id, d.revision, d.at)
+                log.info("%s %s promoted to be its own reference (by %s): it learns a reference from its next "
+                         "traces", d.model_id, d.revision, d.by)
+            else:
+                assert d.reference is not None
+                self.detector.pin(d.model_id, d.revision, d.reference, d.at)
+                log.info("%s %s pinned to the reference of %s (by %s)", d.model_id, d.revision, d.reference, d.by)
+
     def set_contracts(self, contracts: list[ModelContract]) -> None:
         table = ContractTable()
         for contract in contracts:
@@ -195,12 +216,14 @@ class Measurer:
         h = trace.header
         assert m.row_mass is not None and m.hidden_mass is not None
         check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
-        anomalies = self.detector.observe(Observation(
+        verdict = self.detector.observe(Observation(
             h.model_id, h.model_revision, h.layer, h.key_count, h.heads, m.entropy, m.concentration,
             m.sink_share, m.similarity, float(m.diversity)))
+        for event in verdict.events:
+            log.info("%s", event)
         return Measured(trace_identity(trace, record), tuple(h.heads), m.entropy.tolist(), m.concentration.tolist(),
                         m.sink_share.tolist(), float(m.diversity), float(m.effective_heads),
-                        spent + time.perf_counter() - started, anomalies)
+                        spent + time.perf_counter() - started, verdict)
 
 
 def _split(m: HeadMetrics) -> list[HeadMetrics]:

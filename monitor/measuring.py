@@ -42,6 +42,7 @@ from monitor.measure import Measurer, MeasurerSpec, Result
 from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable
 from monitor.records import Record
+from monitor.references import ReferenceTable
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Command(Enum):
     MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
+    DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
     STATE = "state"  #: () → the detector's reference state
     PING = "ping"  #: () → None, once everything before it is done
     STOP = "stop"  #: (): the child leaves
@@ -83,6 +85,8 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.set_contracts(args[0])
     if command is Command.FORGET:
         return measurer.forget(args[0])
+    if command is Command.DECIDE:
+        return measurer.decide(args[0])
     if command is Command.STATE:
         return measurer.detector.state_dict()
     if command is Command.PING:
@@ -125,6 +129,7 @@ class _Ordered:
     """Commands go out in order; keeps the contract table's version last sent."""
 
     _contracts_version = -1
+    _decisions_version = 0
 
     def call(self, command: Command, *args: Any) -> Future[Any]:
         raise NotImplementedError
@@ -138,6 +143,12 @@ class _Ordered:
     def forget(self, trace_ids: list[str]) -> None:
         if trace_ids:
             self.call(Command.FORGET, trace_ids)
+
+    def sync_decisions(self, table: ReferenceTable) -> None:
+        """Send the reference decisions made since the last call."""
+        if table.version != self._decisions_version:
+            self.call(Command.DECIDE, table.since(self._decisions_version))
+            self._decisions_version = table.version
 
     def state(self) -> Future[dict[str, Any]]:
         """The detector's reference state, after everything submitted so far."""

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from monitor.core.detect import Anomaly
+from monitor.core.incidents import Change, IncidentTracker
 from monitor.core.join import JoinBuffer, Joined
 from monitor.core.policy import policy_fields
 from monitor.deadletter import dead_letter, encode_dead_letter
@@ -71,6 +72,7 @@ class Pipeline:
         topics: Topics | None = None,
         join_ttl: float = 30.0,
         join_max_entries: int = 200_000,
+        incident_quiet: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
@@ -78,6 +80,7 @@ class Pipeline:
         self.metrics = metrics
         self.topics = topics or Topics()
         self.join: JoinBuffer[_Waiting] = JoinBuffer(join_ttl, join_max_entries)
+        self.incidents = IncidentTracker(incident_quiet)
         self._emitted: set[Source] = set()
         #: next offset to read of each partition, after the batches accounted for so far
         self._progress: dict[TP, int] = {}
@@ -106,6 +109,7 @@ class Pipeline:
                 outputs += self._outcome(record)
             self._progress[(record.topic, record.partition)] = record.offset + 1
         outputs += self._emit(self.join.expire(self._clock()))
+        outputs += self._incident_records(self.incidents.expire(self._clock()), None)
         return Batch(outputs, dict(self._progress), self._committable())
 
     def _trace(self, record: Record, result: Result) -> list[Output]:
@@ -122,13 +126,39 @@ class Pipeline:
         series = self.metrics.layer(ident["model_id"], ident["model_revision"], ident["layer"])
         series.observe_trace(result.heads, result.entropy, result.concentration, result.sink_share,
                              result.diversity, result.effective_heads)
+        series.observe_verdict(result.verdict)
         for anomaly in result.anomalies:
             series.observe_anomaly(anomaly.kind)
         self.metrics.processing.observe(result.seconds)
-        self.metrics.last_trace.set(self._wall())
+        self.metrics.trace_processed(self._wall())
+        outputs = []
+        if result.anomalies:
+            now = self._wall()
+            records = [anomaly_record(ident, anomaly, None, now) for anomaly in result.anomalies]
+            changes = self.incidents.observe(ident["model_id"], ident["model_revision"], ident["layer"],
+                                             result.anomalies, records, self._clock(), now)
+            outputs += self._incident_records(changes, record)
         waiting = _Waiting(ident, series.labels, ident["layer"], result.anomalies)
         joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, self._clock())
-        return self._emit(joined)
+        return outputs + self._emit(joined)
+
+    def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
+        """Incident records (opened, closed) for the anomalies topic, and the gauges."""
+        out = []
+        for change in changes:
+            model, revision, layer, family = change.incident.key
+            series = self.metrics.layer(model, revision, layer)
+            series.incident_open[family].set(1 if change.what == "opened" else 0)
+            if change.what == "opened":
+                series.incidents[family].inc()
+                log.warning("incident opened: %s", change.incident.id)
+            else:
+                log.info("incident closed: %s (%d anomalies)", change.incident.id, change.incident.anomalies)
+            doc = incident_record(change.incident.summary(), change.what, self._wall())
+            source = (self.topics.traces, record.partition, record.offset) if record is not None else ("", -1, -1)
+            out.append(Output(self.topics.anomalies, change.incident.id.encode(),
+                              json.dumps(doc, sort_keys=True).encode(), source))
+        return out
 
     def _outcome(self, record: Record) -> list[Output]:
         self.metrics.outcomes_consumed.inc()
@@ -204,7 +234,12 @@ class Pipeline:
         self._emitted |= emitted
 
 
-def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str, now: float) -> dict[str, Any]:
+def incident_record(summary: dict[str, Any], change: str, now: float) -> dict[str, Any]:
+    """The JSON incident record: what opened or closed, its evidence, and the policy."""
+    return {"schema": "attention-incident/1", "change": change, **summary, "at": now, "policy": policy_fields()}
+
+
+def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None, now: float) -> dict[str, Any]:
     """The JSON anomaly record: identity, finding, outcome and the two policy sentences."""
     return {
         "schema": "attention-anomaly/1",

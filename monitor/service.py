@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from monitor.assignment import Assignment
-from monitor.broker.contracts import ContractReader
 from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
+from monitor.broker.tables import TableReader
 from monitor.broker.tail import emitted_sources
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.exporter import MonitorMetrics
@@ -44,6 +44,7 @@ from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable
 from monitor.pipeline import Batch, Pipeline
 from monitor.records import Record
+from monitor.references import ReferenceTable
 from monitor.settings import Settings
 from monitor.state_file import StateFile
 
@@ -61,6 +62,7 @@ class Service:
                                       max_model_revisions=settings.max_model_revisions,
                                       model_allowlist=settings.model_allowlist)
         self.contracts = ContractTable()
+        self.references = ReferenceTable()
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile.for_instance(
             settings.state_dir, settings.group_id, settings.client_id)
@@ -82,7 +84,8 @@ class Service:
         ).start()
         log.info("serving %s/metrics", server.url)
         kafka = s.kafka_config()
-        consumer = reader = producer = None
+        consumer = producer = None
+        readers: list[TableReader] = []
         measuring: MeasuringThread | MeasuringProcess | None = None
         pipeline: Pipeline | None = None
         try:
@@ -94,9 +97,12 @@ class Service:
                                 logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
             measuring = start_measuring(spec, s.measure_processes)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
-                                join_max_entries=s.join_max_entries)
-            reader = ContractReader(kafka, self.topics.contracts, self.contracts)
-            log.info("%d model contracts loaded", reader.load(s.startup_timeout_s))
+                                join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s)
+            for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):
+                readers.append(TableReader(kafka, topic, table))
+                readers[-1].load(s.startup_timeout_s)
+            log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
+                     len(self.references.decisions))
             producer = OutputProducer(kafka)
             consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
                                      max_records=s.batch_max_records,
@@ -104,7 +110,7 @@ class Service:
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
                                    self.topics.dead_letter])
             consumer.subscribe()
-            self._loop(consumer, reader, producer, measuring, pipeline)
+            self._loop(consumer, readers, producer, measuring, pipeline)
             return ExitCode.OK
         except InfrastructureError as exc:
             log.error("stopping: %s", exc)
@@ -119,12 +125,12 @@ class Service:
             if measuring is not None:
                 self._save_final_state(measuring)
                 measuring.close()
-            for client in (consumer, reader, producer):
+            for client in (consumer, *readers, producer):
                 if client is not None:
                     client.close()
             server.stop()
 
-    def _loop(self, consumer: GroupConsumer, reader: ContractReader, producer: OutputProducer,
+    def _loop(self, consumer: GroupConsumer, readers: list[TableReader], producer: OutputProducer,
               measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
         """Poll a batch and hand it to the pipeline at once; flush and commit batches in
         order as they complete. Up to ``batches_in_flight`` polled batches are measured
@@ -137,9 +143,15 @@ class Service:
             records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
             revoked, assigned = consumer.changes.take()
             self.assignment.revoke(revoked)  # not committed for from here on
-            reader.refresh()
+            for reader in readers:
+                reader.refresh()
+            if any(r.topic == self.topics.traces for r in records):
+                # a model server publishes a contract just before its first traces: read the
+                # contracts topic to its end as of now, so those traces find it
+                _retry(lambda: readers[0].load(s.startup_timeout_s), "read contracts")
             measuring.check()  # a dead measuring process stops the service even when no traffic comes
             measuring.sync_contracts(self.contracts)
+            measuring.sync_decisions(self.references)
             if revoked or assigned:
                 self.metrics.rebalances.inc()
                 while running:

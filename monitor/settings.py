@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     contracts_topic: str = DEFAULT.contracts
     anomalies_topic: str = DEFAULT.anomalies
     dead_letter_topic: str = DEFAULT.dead_letter
+    references_topic: str = DEFAULT.references
     batch_max_records: int = Field(500, gt=0)
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
@@ -52,10 +53,15 @@ class Settings(BaseSettings):
     max_keys: int = Field(Limits.max_keys, gt=0)
 
     # Detection and join
-    reference_traces: int = Field(200, gt=1)
-    false_alarm_arl: float = Field(10_000.0, gt=1)
-    min_effect: float = Field(1.0, ge=0)
+    reference_traces: int = Field(DetectorConfig.reference_traces, gt=1, description="traces of a revision, of "
+                                  "any lengths, its reference learns before it judges (docs/operations.md)")
+    reference_pool: int = Field(DetectorConfig.pool, gt=1, description="traces of the nearest lengths a reference "
+                                "pools to judge one trace")
+    false_alarm_arl: float = Field(DetectorConfig.false_alarm_arl, gt=1)
+    min_effect: float = Field(DetectorConfig.min_effect, ge=0)
     reference_pins: CommaList = Field(default_factory=list, description="model@revision=reference_revision, ...")
+    incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
+                                    "anomaly of its family on its layer")
     join_ttl_s: float = Field(30.0, gt=0)
     join_max_entries: int = Field(200_000, gt=0)
     dedupe_window: int = Field(100_000, gt=0)
@@ -106,7 +112,7 @@ class Settings(BaseSettings):
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
-                      self.dead_letter_topic)
+                      self.dead_letter_topic, self.references_topic)
 
     def scopes(self) -> ScopePolicy:
         return ScopePolicy.parse(self.allowed_scopes)
@@ -123,8 +129,8 @@ class Settings(BaseSettings):
             if not sep or not at or not model or not revision or not reference:
                 raise ConfigurationError(f"reference pin {entry!r} must be model@revision=reference_revision")
             pins[(model, revision)] = reference
-        return DetectorConfig(reference_traces=self.reference_traces, false_alarm_arl=self.false_alarm_arl,
-                              min_effect=self.min_effect, pins=pins)
+        return DetectorConfig(reference_traces=self.reference_traces, pool=self.reference_pool,
+                              false_alarm_arl=self.false_alarm_arl, min_effect=self.min_effect, pins=pins)
 
     def kafka_config(self) -> dict[str, Any]:
         """Connection keyword arguments for kafka-python clients."""

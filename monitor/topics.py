@@ -21,6 +21,7 @@ class Topics:
     contracts: str = "attention-contracts"
     anomalies: str = "attention-anomalies"
     dead_letter: str = "attention-dead-letter"
+    references: str = "attention-references"
 
 
 DEFAULT = Topics()
@@ -36,13 +37,15 @@ class TopicSpec:
 def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
     """Every topic the monitor reads or writes, as it should be created. ``partitions``
     bounds how many instances share the work (traces, outcomes and anomalies get that
-    many; the contracts topic is one compacted partition read in full by everyone)."""
+    many; the contracts and references topics are one compacted partition each, read in
+    full by everyone)."""
     if partitions < 1:
         raise ValueError("partitions must be at least 1")
     return [
         TopicSpec(topics.traces, partitions, {"max.message.bytes": str(TRACE_RECORD_BYTES)}),
         TopicSpec(topics.outcomes, partitions),
         TopicSpec(topics.contracts, 1, {"cleanup.policy": "compact"}),
+        TopicSpec(topics.references, 1, {"cleanup.policy": "compact"}),
         TopicSpec(topics.anomalies, partitions),
         TopicSpec(topics.dead_letter, max(1, partitions // 4)),
     ]

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
+from monitor.core.detect import Verdict
 from monitor.exporter import MonitorMetrics
 from monitor.http import MetricsServer
 
@@ -105,10 +106,12 @@ def test_series_per_model_revision_follow_the_documented_formula():
                 for kind in ("low_diversity", "sink_shift"):
                     series.observe_anomaly(kind)
                 series.observe_outcome("failure", ["low_diversity"])
+                series.observe_verdict(Verdict([], "r0", False, 100, True))
+                series.observe_verdict(Verdict([], None, True, 3, False))
             return sum(len(f.samples) for f in registry.collect()) - before
 
         for layers, heads in ((1, 1), (3, 4), (32, 32)):
-            assert series("layer", layers, heads) == 86 * layers
-            assert series("head", layers, heads) == 86 * layers + 27 * layers * heads
+            assert series("layer", layers, heads) == 95 * layers
+            assert series("head", layers, heads) == 95 * layers + 27 * layers * heads
     finally:
         prometheus_client.enable_created_metrics()

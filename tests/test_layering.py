@@ -18,7 +18,7 @@ ALLOWED_THIRD_PARTY = {"numpy"}
 RANKS: list[set[str]] = [
     {"core"},
     {"routing", "errors", "records", "topics", "memory"},
-    {"wire", "schema", "model_contract"},
+    {"wire", "schema", "model_contract", "references"},
     {"access", "deadletter", "checkpoint", "exporter", "http", "ring", "state_file", "assignment"},
     {"codec"},
     {"settings", "measure"},

@@ -97,7 +97,7 @@ def test_the_reference_state_comes_back_from_the_child(child):
     run(child, records(8))
     state = child.state().result()
     # one layer; its reference learnt from the first reference_traces (5) traces only
-    assert [item["reference"]["diversity"]["count"] for item in state["references"]] == [[5.0]]
+    assert [item["reference"]["traces"] for item in state["references"]] == [5]
 
 
 def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):

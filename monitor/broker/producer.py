@@ -49,7 +49,9 @@ class TraceProducer:
 
     def publish_contract(self, contract: ModelContract) -> Any:
         """Publish a model contract on the compacted contracts topic, keyed by its id.
-        The monitor refuses traces of a contract it does not know (``unknown_contract``)."""
+        The monitor refuses traces of a contract it does not know (``unknown_contract``):
+        wait for the returned future (``.get()``) before sending the contract's first
+        traces, and the monitor finds it whatever the timing."""
         key, value = ContractTable.record(contract)
         return self._producer.send(self.topics.contracts, key=key, value=value)
 

@@ -1,40 +1,49 @@
-"""Anomaly detection against a learnt reference, with a calibrated sequential test.
+"""Anomaly detection against a learnt, length-aware reference, with a calibrated
+sequential test.
 
 Reference
-    For every (model, revision, layer, sequence-length bucket) the detector learns,
-    from the first ``reference_traces`` traces it sees, the mean and variance of layer
-    diversity and of each head's entropy, concentration and sink share (mergeable
-    :class:`~monitor.core.online.Moments`), and the mean similarity matrix. A revision
-    can instead be *pinned* to another revision's reference, to catch a regression at
-    deploy. Sequence-length buckets (powers of 4 of the key count) exist because head
-    similarity depends on length: short contexts leave heads fewer keys to differ on.
+    For every (model, revision, layer) the detector learns, from the revision's first
+    ``reference_traces`` traces, a :class:`~monitor.core.reference.LengthReference` of
+    layer diversity and of each head's entropy, concentration, sink share and mean
+    similarity to the other heads, as functions of sequence length. From then on it
+    judges every trace of the layer, whatever its length. A revision can instead be
+    *pinned* to another revision's reference (to catch a regression at deploy): a pinned
+    revision never learns a reference of its own, and only an explicit promotion
+    (:meth:`Detector.promote`) makes a revision its own reference. Pins and promotions
+    are part of the state, so a restart without the setting keeps judging the pinned
+    revision by its pin.
 
 Per-head references mean there is no global threshold: a near one-hot head, or one
 that parks most of its weight on the first token, is judged against its own normal.
 
 Decision
-    Each observation is standardised against the reference, ``z = (x − μ) / σ`` with
-    ``σ`` floored (``min_sd``) so constant heads do not make noise look huge, and signed
-    so that the bad direction is positive (diversity and entropy down, concentration
-    up, sink share either way), and clipped at ``clip`` (3 by default) so that no single
-    heavy-tailed outlier decides alone. A one-sided CUSUM ``S ← max(0, S + z − k)`` with
-    ``k = shift / 2`` accumulates evidence; an anomaly is raised when ``S > h`` *and*
-    the trace's own effect size ``z ≥ min_effect``, then ``S`` restarts at 0.
+    Each observation is standardised against the reference at its length,
+    ``z = (x − μ(L)) / σ(L)`` with ``σ`` floored (``min_sd``) so constant heads do not make
+    noise look huge, signed so that the bad direction is positive (diversity and entropy
+    down, concentration up, sink share either way), and clipped at ``clip`` so that no
+    single heavy-tailed outlier decides alone. A one-sided CUSUM ``S ← max(0, S + z − k)``
+    with ``k = shift / 2`` accumulates evidence; an anomaly is raised when ``S > h`` *and*
+    the trace's own effect size ``z ≥ min_effect``, then ``S`` restarts at 0. With the
+    defaults, three traces whose layer diversity falls 4 sd raise low diversity, never
+    fewer; per-head streams take three or four traces at 4 sd; a 1 sd shift takes tens.
 
 Calibration
-    ``h`` is chosen so that the in-control average run length (expected traces
-    between false alarms) of one (layer, kind) equals ``false_alarm_arl``, using
-    Siegmund's approximation for a CUSUM of unit-variance normal increments,
+    ``h`` is chosen so that the in-control average run length (expected traces between
+    false alarms) of one (layer, kind) equals ``false_alarm_arl``, using Siegmund's
+    approximation for a CUSUM of unit-variance normal increments,
     ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)`` with ``b = h + 1.166``. Head kinds have one
-    stream per head, each calibrated to ``H · false_alarm_arl`` (and a two-sided sink
-    test to twice that per side), so the rate per (layer, kind) stays at the target.
-    The effect-size gate only removes alarms, so the realised rate is at most that.
+    stream per head, each calibrated to ``H · false_alarm_arl`` (and a two-sided sink test
+    to twice that per side), so the rate per (layer, kind) stays at the target; low
+    diversity has the layer's stream and the heads' similarity streams, so at most twice
+    that. The effect-size gate only removes alarms, so the realised rate is at most that.
+    The defaults were chosen on realistic traffic (``benchmarks/detection_eval.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,24 +51,30 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.core.online import MatrixMean, Moments
+from monitor.core.reference import LengthReference
 
 KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift")
-HEAD_METRICS = ("entropy", "concentration", "sink_share")
-LayerKey = tuple[str, str, int, int]  # model, revision, layer, length bucket
+HEAD_METRICS = ("entropy", "concentration", "sink_share", "similarity")
+STATE_VERSION = 2
+LayerKey = tuple[str, str, int]  # model, revision, layer
+Revision = tuple[str, str]  # model, revision
 
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    reference_traces: int = 200
-    false_alarm_arl: float = 10_000.0
+    reference_traces: int = 100
+    #: observations a length-aware fit pools at least (nearest lengths first)
+    pool: int = 40
+    false_alarm_arl: float = 100_000.0
     shift: float = 1.0
     min_effect: float = 1.0
     #: standardised observations are clipped to ±clip before they enter the CUSUM, so one
     #: heavy-tailed outlier cannot cross the threshold alone (real head metrics are not normal)
-    clip: float = 3.0
+    clip: float = 4.0
     min_sd: Mapping[str, float] = field(default_factory=lambda: {
-        "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02})
+        "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02, "similarity": 0.01})
+    #: a low-diversity finding names the heads whose similarity to their nearest other head rose this many sd
+    head_z: float = 3.0
     #: (model, revision) -> the revision whose reference judges it
     pins: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
@@ -86,15 +101,35 @@ class Anomaly:
     layer: int
     heads: tuple[str, ...]
     value: float  #: the observed value (head kinds: that head's)
-    reference: float  #: the reference mean it is judged against
+    reference: float  #: the reference mean it is judged against, at the trace's length
     effect: float  #: standardised effect size of this trace, bad direction positive
     score: float  #: the CUSUM statistic that crossed the threshold
     reference_revision: str
 
 
-def length_bucket(key_count: int) -> int:
-    """Power-of-4 bucket of the sequence length: 0 for 1–3 keys, 1 for 4–15, …"""
-    return max(0, int(math.log(max(key_count, 1), 4)))
+@dataclass(frozen=True)
+class Verdict:
+    """What the detector made of one trace."""
+
+    anomalies: list[Anomaly]
+    judged_by: str | None  #: the revision whose reference judged the trace; None when none could
+    learning: bool  #: the trace taught its revision's own reference
+    reference_traces: int  #: traces in the reference that judges this layer (or is learning to)
+    ready: bool  #: that reference judges traces
+    events: tuple[str, ...] = ()  #: worth a log line: a reference became ready, a pin took effect
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How a revision is judged: by the reference of ``pinned_to``, or (``None``, after a
+    promotion) by its own."""
+
+    pinned_to: str | None
+    source: str  #: "settings", "promote", "pin"
+    at: float  #: when it was decided (seconds since the epoch; 0 for settings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pinned_to": self.pinned_to, "source": self.source, "at": self.at}
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,62 +151,18 @@ def cusum_threshold(arl: float, k: float) -> float:
     return hi
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The streams of a layer's CUSUM, as vectors over [diversity, H entropy,
-    H concentration, H sink share up, H sink share down]."""
-
-    mean: NDArray[np.float64]
-    sd: NDArray[np.float64]
-    sign: NDArray[np.float64]
-    counted: NDArray[np.bool_]
-    threshold: NDArray[np.float64]
-    kinds: tuple[str, ...]  #: kind of each block of H head streams
-
-
-@dataclass
-class Reference:
-    heads: int
-    diversity: Moments = field(init=False)
-    per_head: dict[str, Moments] = field(init=False)
-    similarity: MatrixMean = field(init=False)
-    plan: _Plan | None = field(init=False, default=None, repr=False)  #: cached by the detector, reset by update
-
-    def __post_init__(self) -> None:
-        self.diversity = Moments.empty(1)
-        self.per_head = {m: Moments.empty(self.heads) for m in HEAD_METRICS}
-        self.similarity = MatrixMean.empty((self.heads, self.heads))
-
-    @property
-    def count(self) -> int:
-        return int(self.diversity.count[0])
-
-    def update(self, obs: Observation) -> None:
-        self.plan = None
-        self.diversity.update([obs.diversity])
-        for m in HEAD_METRICS:
-            self.per_head[m].update(getattr(obs, m))
-        self.similarity.update(obs.similarity)
-
-    def merge(self, other: Reference) -> Reference:
-        merged = Reference(self.heads)
-        merged.diversity = self.diversity.merge(other.diversity)
-        merged.per_head = {m: self.per_head[m].merge(other.per_head[m]) for m in HEAD_METRICS}
-        merged.similarity = self.similarity.merge(other.similarity)
-        return merged
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"heads": self.heads, "diversity": self.diversity.to_dict(),
-                "per_head": {m: v.to_dict() for m, v in self.per_head.items()},
-                "similarity": self.similarity.to_dict()}
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> Reference:
-        ref = cls(int(doc["heads"]))
-        ref.diversity = Moments.from_dict(doc["diversity"])
-        ref.per_head = {m: Moments.from_dict(doc["per_head"][m]) for m in HEAD_METRICS}
-        ref.similarity = MatrixMean.from_dict(doc["similarity"])
-        return ref
+def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Each head's similarity to its nearest other head (NaN with fewer than two heads):
+    a head that turns into a copy of another shows here even when its mean similarity
+    to the rest hardly moves."""
+    h = similarity.shape[0]
+    if h < 2:
+        return np.full(h, np.nan)
+    off = ~np.eye(h, dtype=bool)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a head with no similarity this trace: NaN
+        result: NDArray[np.float64] = np.nanmax(np.where(off, similarity, np.nan), axis=1)
+    return result
 
 
 class Detector:
@@ -179,120 +170,153 @@ class Detector:
 
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config or DetectorConfig()
-        self.references: dict[LayerKey, Reference] = {}
+        self.references: dict[LayerKey, LengthReference] = {}
+        self.decisions: dict[Revision, Decision] = {
+            pair: Decision(reference, "settings", 0.0) for pair, reference in self.config.pins.items()}
         self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
+        self._announced: set[tuple[str, LayerKey]] = set()
         self._k = self.config.shift / 2
+
+    # --- who judges whom --------------------------------------------------------------
+
+    def judge_revision(self, model: str, revision: str) -> str:
+        decision = self.decisions.get((model, revision))
+        return decision.pinned_to if decision is not None and decision.pinned_to else revision
+
+    def pin(self, model: str, revision: str, reference: str, at: float, source: str = "pin") -> None:
+        """Judge ``revision`` by ``reference``'s reference from now on; it learns none of its own."""
+        if reference == revision:
+            raise ValueError("a revision cannot be pinned to itself; promote it instead")
+        self.decisions[(model, revision)] = Decision(reference, source, at)
+
+    def promote(self, model: str, revision: str, at: float) -> None:
+        """Make ``revision`` its own reference: it learns one afresh from its next traces."""
+        self.decisions[(model, revision)] = Decision(None, "promote", at)
+        for key in [k for k in self.references if k[:2] == (model, revision)]:
+            del self.references[key]
+            self._cusum.pop(key, None)
+            self._announced = {a for a in self._announced if a[1] != key}
+
+    # --- observations -------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> Verdict:
+        """Learn from ``obs`` while its revision's own reference is young (never for a
+        pinned revision); judge it once the reference that judges it is ready."""
+        h = len(obs.heads)
+        judge_revision = self.judge_revision(obs.model, obs.revision)
+        events: list[str] = []
+        values = np.concatenate(([obs.diversity], obs.entropy, obs.concentration, obs.sink_share,
+                                 head_similarity(obs.similarity)))
+        own_key = (obs.model, obs.revision, obs.layer)
+        if judge_revision == obs.revision:
+            ref = self.references.get(own_key)
+            if ref is None or ref.streams != values.size:
+                ref = self.references[own_key] = LengthReference(values.size)
+            if ref.traces < self.config.reference_traces:
+                ref.update(obs.key_count, values)
+                if ref.traces == self.config.reference_traces:
+                    events.append(f"reference of {obs.model} {obs.revision} layer {obs.layer} ready "
+                                  f"({ref.traces} traces)")
+                return Verdict([], None, True, ref.traces, ref.traces >= self.config.reference_traces,
+                               tuple(events))
+        judge_key = (obs.model, judge_revision, obs.layer)
+        ref = self.references.get(judge_key)
+        count = 0 if ref is None else ref.traces
+        if ref is None or ref.traces < self.config.reference_traces or ref.streams != values.size:
+            if self._announce("waiting", own_key):
+                events.append(f"{obs.model} {obs.revision} layer {obs.layer} is pinned to {judge_revision}, "
+                              f"whose reference is not ready ({count} traces): its traces are not judged")
+            return Verdict([], None, False, count, False, tuple(events))
+        if judge_revision != obs.revision and self._announce("pinned", own_key):
+            events.append(f"{obs.model} {obs.revision} layer {obs.layer} is judged by the reference of "
+                          f"{judge_revision} ({self.decisions[(obs.model, obs.revision)].source})")
+        anomalies = self._judge(own_key, ref, obs, values, h, judge_revision)
+        return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events))
+
+    def _announce(self, what: str, key: LayerKey) -> bool:
+        if (what, key) in self._announced:
+            return False
+        self._announced.add((what, key))
+        return True
+
+    def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, values: NDArray[np.float64], h: int,
+               ref_revision: str) -> list[Anomaly]:
+        """Every stream of the layer in one vector. Low diversity: layer diversity down,
+        and each head's similarity to its nearest other head up (a group of heads turning into
+        copies of each other may barely move the layer's mean); then per head entropy
+        down, concentration up, sink share up and sink share down."""
+        c = self.config
+        fit = ref.fit(obs.key_count, min(c.pool, c.reference_traces))
+        floors = np.concatenate(([c.min_sd["diversity"]], *(np.full(h, c.min_sd[m]) for m in HEAD_METRICS)))
+        sd = np.maximum(np.nan_to_num(fit.sd, nan=0.0), floors)
+        block = {m: np.arange(1 + i * h, 1 + (i + 1) * h) for i, m in enumerate(HEAD_METRICS)}
+        pick = np.concatenate(([0], block["similarity"], block["entropy"], block["concentration"],
+                               block["sink_share"], block["sink_share"]))
+        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h), np.ones(h), -np.ones(h)))
+        x, mean, dev = values[pick], fit.mean[pick], sd[pick]
+        seen = np.isfinite(x) & np.isfinite(mean)
+        z = np.where(seen, sign * (x - np.where(seen, mean, 0.0)) / dev, 0.0)
+        old = self._cusum.get(key)
+        if old is None or old.shape != z.shape:
+            old = np.zeros_like(z)
+        s = np.maximum(0.0, old + np.minimum(z, c.clip) - self._k)
+        s = np.where(seen, s, old)  # a stream this trace says nothing about waits
+        thresholds = np.concatenate(([self._threshold(1)], np.full(3 * h, self._threshold(h)),
+                                     np.full(2 * h, self._threshold(2 * h))))
+        hit = (s > thresholds) & (z >= c.min_effect)
+        found = []
+        if hit[: 1 + h].any():
+            strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
+            named = [obs.heads[i] for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z]
+            heads = tuple(named) or self._converging_heads(obs.heads, z, h)
+            score = float(s[: 1 + h][hit[: 1 + h]].max())
+            found.append(Anomaly("low_diversity", obs.layer, heads, obs.diversity, float(mean[0]), float(z[strongest]),
+                                 score, ref_revision))
+        kinds = ("entropy_collapse", "concentration_spike", "sink_shift", "sink_shift")
+        for i in np.flatnonzero(hit[1 + h :]).tolist():
+            j = 1 + h + i
+            found.append(Anomaly(kinds[i // h], obs.layer, (obs.heads[i % h],), float(x[j]), float(mean[j]),
+                                 float(z[j]), float(s[j]), ref_revision))
+        s[hit] = 0.0
+        self._cusum[key] = s
+        return found
 
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
 
-    def reference_for(self, model: str, revision: str, layer: int, key_count: int) -> tuple[Reference | None, str]:
-        """The ready reference that judges this layer, and the revision it belongs to."""
-        ref_revision = self.config.pins.get((model, revision), revision)
-        ref = self.references.get((model, ref_revision, layer, length_bucket(key_count)))
-        ready = ref is not None and ref.count >= self.config.reference_traces
-        return (ref if ready else None), ref_revision
+    def _converging_heads(self, heads: tuple[str, ...], z: NDArray[np.float64], h: int) -> tuple[str, ...]:
+        """When only the layer's diversity moved: the heads whose similarity to the others
+        rose most (at least half the largest rise)."""
+        rise = z[1 : 1 + h]
+        if not (rise > 0).any():
+            return heads
+        return tuple(heads[i] for i in range(h) if rise[i] >= float(rise.max()) / 2)
 
-    def observe(self, obs: Observation) -> list[Anomaly]:
-        """Learn from ``obs`` while its own reference is young; judge it once the
-        reference that judges it (its own or the pinned one) is ready."""
-        key = (obs.model, obs.revision, obs.layer, length_bucket(obs.key_count))
-        own = self.references.get(key)
-        if own is None or own.heads != len(obs.heads):
-            own = self.references[key] = Reference(len(obs.heads))
-        judge, ref_revision = self.reference_for(obs.model, obs.revision, obs.layer, obs.key_count)
-        if own.count < self.config.reference_traces:
-            own.update(obs)
-            if judge is own or judge is None:
-                return []
-        if judge is None or judge.heads != len(obs.heads):
-            return []
-        return self._judge(key, judge, obs, ref_revision)
-
-    def _judge(self, key: LayerKey, ref: Reference, obs: Observation, ref_revision: str) -> list[Anomaly]:
-        """Every stream of the layer in one vector: layer diversity, then per head
-        entropy, concentration, sink share up and sink share down."""
-        plan = self._plan(ref)
-        x = np.concatenate(([obs.diversity], obs.entropy, obs.concentration, obs.sink_share, obs.sink_share))
-        if x.shape != plan.mean.shape:
-            return []
-        seen = np.isfinite(x)
-        z = np.where(seen & plan.counted, plan.sign * (x - plan.mean) / plan.sd, 0.0)
-        old = self._cusum.get(key)
-        if old is None or old.shape != z.shape:
-            old = np.zeros_like(z)
-        s = np.maximum(0.0, old + np.minimum(z, self.config.clip) - self._k)
-        if not seen[0]:  # no diversity this trace (no two live heads): its stream waits
-            s[0] = old[0]
-        hits = np.flatnonzero((s > plan.threshold) & (z >= self.config.min_effect))
-        scores = s[hits].tolist()
-        s[hits] = 0.0
-        self._cusum[key] = s
-        found = []
-        h = len(obs.heads)
-        for i, score in zip(hits.tolist(), scores, strict=True):
-            if i == 0:
-                found.append(Anomaly("low_diversity", obs.layer, self._converging_heads(ref, obs), obs.diversity,
-                                     float(plan.mean[0]), float(z[0]), score, ref_revision))
-            else:
-                head = (i - 1) % h
-                found.append(Anomaly(plan.kinds[(i - 1) // h], obs.layer, (obs.heads[head],), float(x[i]),
-                                     float(plan.mean[i]), float(z[i]), score, ref_revision))
-        return found
-
-    def _plan(self, ref: Reference) -> _Plan:
-        """Means, floored deviations, signs and thresholds of every stream of a ready
-        reference (it no longer changes, so this is computed once)."""
-        if ref.plan is not None:
-            return ref.plan
-        floors, h = self.config.min_sd, ref.heads
-        means, sds, signs, counted, thresholds = [], [], [], [], []
-        div = ref.diversity
-        means.append(div.mean)
-        sds.append(np.maximum(np.sqrt(np.nan_to_num(div.variance, nan=0.0)), floors["diversity"]))
-        signs.append(np.array([-1.0]))  # diversity down is bad: z = (mu - x) / sd
-        counted.append(np.array([True]))
-        thresholds.append(np.full(1, self._threshold(1)))
-        for metric, sign, streams in (("entropy", -1.0, h), ("concentration", 1.0, h), ("sink_share", 1.0, 2 * h),
-                                      ("sink_share", -1.0, 2 * h)):
-            moments = ref.per_head[metric]
-            means.append(moments.mean)
-            sds.append(np.maximum(np.sqrt(np.nan_to_num(moments.variance, nan=0.0)), floors[metric]))
-            signs.append(np.full(h, sign))
-            counted.append(moments.count > 0)
-            thresholds.append(np.full(h, self._threshold(streams)))
-        ref.plan = _Plan(np.concatenate(means), np.concatenate(sds), np.concatenate(signs), np.concatenate(counted),
-                         np.concatenate(thresholds), ("entropy_collapse", "concentration_spike", "sink_shift",
-                                                      "sink_shift"))
-        return ref.plan
-
-    @staticmethod
-    def _converging_heads(ref: Reference, obs: Observation) -> tuple[str, ...]:
-        """Heads whose mean similarity to the others rose by at least half the layer's rise."""
-        h = len(obs.heads)
-        if h < 2:
-            return obs.heads
-        off = ~np.eye(h, dtype=bool)
-        now = np.where(off, obs.similarity, np.nan)
-        before = np.where(off, ref.similarity.mean, np.nan)
-        with np.errstate(invalid="ignore"):
-            rise = np.nanmean(now, axis=1) - np.nanmean(before, axis=1)
-        if not np.isfinite(rise).any():
-            return obs.heads
-        layer_rise = float(np.nanmean(rise))
-        picked = [obs.heads[i] for i in range(h) if np.isfinite(rise[i]) and rise[i] >= layer_rise / 2]
-        return tuple(picked) or obs.heads
-
-    # --- state --------------------------------------------------------------------
+    # --- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()]}
+        return {"version": STATE_VERSION,
+                "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()],
+                "decisions": [{"model": m, "revision": r, **d.to_dict()} for (m, r), d in self.decisions.items()]}
 
     def merge_state(self, doc: Mapping[str, Any]) -> None:
-        """Merge references from a saved state (another instance, or before a restart)."""
+        """Merge references and decisions from a saved state (another instance, or
+        before a restart): references add up; of two decisions about a revision the
+        later one holds, and any saved decision overrides a pin from the settings."""
+        if doc.get("version") != STATE_VERSION:
+            raise ValueError(f"reference state version {doc.get('version', 1)} is not {STATE_VERSION}: "
+                             "references are learnt afresh")
+        for item in doc.get("decisions", []):
+            pair = (str(item["model"]), str(item["revision"]))
+            pinned = item["pinned_to"]
+            other = Decision(None if pinned is None else str(pinned), str(item["source"]), float(item["at"]))
+            mine = self.decisions.get(pair)
+            if mine is None or mine.source == "settings" or other.at >= mine.at:
+                self.decisions[pair] = other
         for item in doc.get("references", []):
-            model, revision, layer, bucket = item["key"]
-            key = (str(model), str(revision), int(layer), int(bucket))
-            other = Reference.from_dict(item["reference"])
-            mine = self.references.get(key)
-            self.references[key] = other if mine is None or mine.heads != other.heads else mine.merge(other)
+            model, revision, layer = item["key"]
+            key = (str(model), str(revision), int(layer))
+            other_ref = LengthReference.from_dict(item["reference"])
+            mine_ref = self.references.get(key)
+            self.references[key] = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
+                                    else mine_ref.merge(other_ref))

@@ -1,10 +1,11 @@
 """The embedded demo: the monitor's own pipeline fed in-process, no Kafka needed.
 
-Two revisions of a synthetic model serve requests. Revision 2 is pinned to revision
-1's reference (as an operator would at deploy), and from its 40th request on, one
-layer's heads drift towards a single shared pattern: low head diversity. Outcomes
-arrive before or after their traces; some never arrive (``missing`` after the TTL);
-requests through the drifting layer fail more often.
+Two revisions of a model serve realistic traffic (:mod:`monitor.tools.scenario`: mostly
+short requests, healthy sinks and previous-token heads). Revision 2 is pinned to
+revision 1's reference (as an operator would at deploy), and from its 40th request on,
+four heads of one layer drift towards a single shared pattern: low head diversity.
+Outcomes arrive before or after their traces; some never arrive (``missing`` after the
+TTL); requests through the drifting layer fail more often.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from monitor.measuring import MeasuringThread
 from monitor.model_contract import ContractTable
 from monitor.pipeline import Pipeline
 from monitor.records import Output, Record
-from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
+from monitor.tools.scenario import Fault, Scenario
 from monitor.topics import Topics
 
 KEY_ID, SECRET = "demo", b"demo-secret-not-for-production"
@@ -38,6 +39,7 @@ COLLAPSING_LAYER = 2
 @dataclass
 class DemoResult:
     anomalies: list[dict[str, Any]] = field(default_factory=list)
+    incidents: list[dict[str, Any]] = field(default_factory=list)
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -53,8 +55,8 @@ def run_demo(registry: CollectorRegistry, *, requests: int = 240, pace: float = 
              reference_traces: int = 120) -> DemoResult:
     """Feed both revisions through a fresh pipeline; ``pace`` seconds between requests."""
     rng = np.random.default_rng(seed)
-    rev1 = SyntheticModel("demo-lm", "rev-2026-10-01", layers=4, heads=8, kv_groups=2)
-    rev2 = SyntheticModel("demo-lm", "rev-2026-11-15", layers=4, heads=8, kv_groups=2)
+    rev1 = Scenario("demo-lm", "rev-2026-10-01")
+    rev2 = Scenario("demo-lm", "rev-2026-11-15")
     contracts = ContractTable()
     for model in (rev1, rev2):
         contracts.add(model.contract())
@@ -73,27 +75,24 @@ def run_demo(registry: CollectorRegistry, *, requests: int = 240, pace: float = 
         measuring.close()
 
 
-def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock, models: tuple[SyntheticModel, ...],
+def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock, models: tuple[Scenario, ...],
                     requests: int, pace: float) -> DemoResult:
     metrics, topics = pipeline.metrics, pipeline.topics
     rev1, rev2 = models
     result = DemoResult()
     offset = 0
     for model, count in ((rev1, requests), (rev2, requests)):
-        contract = model.contract()
         for layer in range(model.layers):
             metrics.layer(model.model_id, model.revision, layer)  # every series at zero from the start
         for i in range(count):
             collapse = min(0.9, max(0.0, (i - 40) / 60)) if model is rev2 else 0.0
+            serving = replace(model, faults=(Fault("collapse", COLLAPSING_LAYER, (1, 2, 3, 4), collapse),)) \
+                if collapse else model
             request_id = f"{model.revision}-req-{i:04d}"
             records: list[Record] = []
-            for layer in range(model.layers):
-                keys = int(rng.integers(96, 256))
-                positions = sample_positions(rng, keys, 8)
-                drift = collapse if layer == COLLAPSING_LAYER else 0.0
-                w = trace_weights(rng, layer_roles(layer, model.heads), positions, keys, collapse=drift)
-                header = make_header(contract, layer, positions, keys, request_id=request_id, timestamp=time.time())
-                records.append(Record(topics.traces, 0, offset, request_id.encode(), encode(header, w, KEY_ID, SECRET)))
+            for header, weights in serving.request(rng, request_id, timestamp=time.time()):
+                records.append(Record(topics.traces, 0, offset, request_id.encode(),
+                                      encode(header, weights, KEY_ID, SECRET)))
                 offset += 1
             outcome = _outcome(rng, request_id, collapse, topics, offset)
             offset += 1
@@ -102,9 +101,9 @@ def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock,
             elif outcome is not None:
                 records.append(outcome)
             if i % 50 == 25:  # a producer bug: a record signed with an unknown key
-                bad = make_header(contract, 0, np.array([0, 1]), 4)
-                records.append(Record(topics.traces, 0, offset, b"bad", encode(
-                    bad, np.full((model.heads, 2, 4), 0.25, np.float16), "unknown-key", b"0" * 32)))
+                header, weights = serving.request(rng)[0]
+                records.append(Record(topics.traces, 0, offset, b"bad", encode(header, weights, "unknown-key",
+                                                                               b"0" * 32)))
                 offset += 1
             _collect(result, pipeline.process(records).result().outputs)
             clock.now += 0.1
@@ -126,8 +125,11 @@ def _outcome(rng: np.random.Generator, request_id: str, collapse: float, topics:
 def _collect(result: DemoResult, outputs: list[Output]) -> None:
     for out in outputs:
         doc = json.loads(out.value)
-        if doc.get("schema", "").startswith("attention-anomaly"):
+        schema = doc.get("schema", "")
+        if schema.startswith("attention-anomaly"):
             result.anomalies.append(doc)
+        elif schema.startswith("attention-incident"):
+            result.incidents.append(doc)
         else:
             result.dead_letters.append(doc)
 
@@ -156,8 +158,17 @@ def summary(result: DemoResult, registry: CollectorRegistry) -> str:
         lines.append(f"{revision:<16} {layer:>5} {m.get('traces', 0):>6.0f} {m.get('diversity', np.nan):>9.3f} "
                      f"{m.get('entropy', np.nan):>8.3f} {m.get('concentration', np.nan):>9.3f} "
                      f"{m.get('sink_share', np.nan):>6.3f}")
+    closed = {i["incident_id"]: i for i in result.incidents if i["change"] == "closed"}
+    opened = [i for i in result.incidents if i["change"] == "opened"]
+    lines += ["", f"Incidents (what on-call is paged for): {len(opened)}"]
+    for i in opened:
+        final = closed.get(i["incident_id"], i)
+        merged = f", merged into {final['merged_into']}" if final.get("merged_into") else ""
+        lines.append(f"  {i['model_revision']} layer {i['layer']} {i['family']:<9} {final['anomalies']:>4} findings "
+                     f"on {final['traces']} traces, heads {','.join(final['heads']) or '-'}; side effects "
+                     + (", ".join(f"{k}={v}" for k, v in sorted(final["side_effects"].items())) or "none") + merged)
     by_kind = Counter((a["model_revision"], a["layer"], a["kind"]) for a in result.anomalies)
-    lines += ["", f"Anomalies raised: {len(result.anomalies)}"]
+    lines += ["", f"Anomalies raised (the incidents' evidence): {len(result.anomalies)}"]
     for (revision, layer, kind), n in sorted(by_kind.items()):
         outcomes = Counter(a["outcome"] for a in result.anomalies
                            if (a["model_revision"], a["layer"], a["kind"]) == (revision, layer, kind))

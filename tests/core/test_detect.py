@@ -1,3 +1,6 @@
+"""The detector on realistic traffic (monitor.tools.scenario: short requests dominate,
+similarity falls with length, sinks and previous-token heads are healthy)."""
+
 from __future__ import annotations
 
 import math
@@ -5,20 +8,26 @@ import math
 import numpy as np
 import pytest
 
-from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold, length_bucket
+from monitor.codec import valid_keys
+from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold
 from monitor.core.metrics import head_metrics
-from monitor.tools.synthetic import layer_roles, sample_positions, trace_weights
+from monitor.tools.scenario import Fault, Scenario
 
-HEADS = tuple(f"head-{i}" for i in range(6))
+HEALTHY = Scenario(revision="r1")
+COLLAPSED = Scenario(revision="r2", faults=(Fault("collapse", 2, (1, 2, 3, 4)),))
+SUNK = Scenario(revision="r3", faults=(Fault("sink", 1, (3,)),))
 
 
-def observe(rng, detector, *, revision="r1", collapse=0.0, keys=64, layer=1, model="m"):
-    positions = sample_positions(rng, keys, 6)
-    w = trace_weights(rng, layer_roles(layer, len(HEADS)), positions, keys, collapse=collapse)
-    valid = np.arange(keys)[None, :] <= positions[:, None]
-    m = head_metrics(w, valid)
-    return detector.observe(Observation(model, revision, layer, keys, HEADS, m.entropy, m.concentration,
-                                        m.sink_share, m.similarity, float(m.diversity)))
+def observations(scenario: Scenario, rng: np.random.Generator, requests: int):
+    for _ in range(requests):
+        for header, weights in scenario.request(rng):
+            m = head_metrics(weights, valid_keys(header))
+            yield Observation(header.model_id, header.model_revision, header.layer, header.key_count, header.heads,
+                              m.entropy, m.concentration, m.sink_share, m.similarity, float(m.diversity))
+
+
+def feed(detector: Detector, scenario: Scenario, rng: np.random.Generator, requests: int):
+    return [(obs, detector.observe(obs)) for obs in observations(scenario, rng, requests)]
 
 
 def test_threshold_matches_siegmund_and_grows_with_the_run_length():
@@ -29,55 +38,96 @@ def test_threshold_matches_siegmund_and_grows_with_the_run_length():
     assert cusum_threshold(100_000, k) > h > cusum_threshold(1_000, k)
 
 
-def test_length_buckets():
-    assert [length_bucket(n) for n in (1, 3, 4, 15, 16, 63, 64, 4096)] == [0, 0, 1, 1, 2, 2, 3, 6]
+def test_three_traces_at_four_sd_cross_and_two_do_not():
+    """The defaults' promise: a strong signal (layer diversity down 4 sd) raises low
+    diversity on its third trace, never on fewer; per-head streams within four."""
+    c = DetectorConfig()
+    step = min(4.0, c.clip) - c.shift / 2
+    assert 2 * step < cusum_threshold(c.false_alarm_arl, c.shift / 2) < 3 * step
+    assert cusum_threshold(c.false_alarm_arl * 2 * 32, c.shift / 2) < 4 * step  # sink streams of 32 heads
 
 
-def test_healthy_traffic_raises_nothing_and_collapse_raises_low_diversity():
+def test_a_revision_is_judged_once_it_has_its_traces_in_total_whatever_their_lengths():
     rng = np.random.default_rng(0)
-    detector = Detector(DetectorConfig(reference_traces=150, false_alarm_arl=10_000))
-    learning = [observe(rng, detector) for _ in range(150)]
-    assert not any(learning)
-    healthy = [a for _ in range(1500) for a in observe(rng, detector)]
-    assert len(healthy) <= 3, healthy  # ~0.15 expected per kind at ARL 10k; near-one-hot heads included
-    first = None
-    for i in range(60):
-        kinds = {a.kind for a in observe(rng, detector, collapse=0.9)}
-        if "low_diversity" in kinds:
-            first = i
-            break
-    assert first is not None and first < 20
+    detector = Detector(DetectorConfig(reference_traces=100))
+    learning = feed(detector, HEALTHY, rng, 100)
+    assert all(v.learning and v.judged_by is None and not v.anomalies for _, v in learning)
+    assert next(v.events for _, v in learning if v.events)[0].startswith("reference of scenario-lm r1 layer")
+    judged = feed(detector, HEALTHY, rng, 400)
+    assert all(v.judged_by == "r1" and v.ready and v.reference_traces == 100 for _, v in judged)
+    lengths = sorted(obs.key_count for obs, _ in judged)
+    assert lengths[0] <= 8 and lengths[-1] >= 200  # the shortest and the longest requests are judged too
 
 
-def test_a_pinned_revision_is_judged_by_its_predecessor_from_its_first_trace():
+def test_healthy_traffic_stays_quiet_and_faults_are_found_on_their_layer_and_heads_within_ten_traces():
     rng = np.random.default_rng(1)
-    detector = Detector(DetectorConfig(reference_traces=100, pins={("m", "r2"): "r1"}))
-    for _ in range(100):
-        observe(rng, detector, revision="r1")
-    raised = [a for _ in range(15) for a in observe(rng, detector, revision="r2", collapse=0.9)]
-    assert any(a.kind == "low_diversity" and a.reference_revision == "r1" for a in raised)
-    # Without the pin, r2 would learn its collapsed self as normal and stay silent.
-    alone = Detector(DetectorConfig(reference_traces=100))
-    assert not [a for _ in range(130) for a in observe(rng, alone, revision="r2", collapse=0.9)]
+    detector = Detector(DetectorConfig(reference_traces=100, pins={("scenario-lm", "r2"): "r1",
+                                                                   ("scenario-lm", "r3"): "r1"}))
+    feed(detector, HEALTHY, rng, 100)
+    healthy = [a for _, v in feed(detector, HEALTHY, rng, 500) for a in v.anomalies]  # 2,000 traces
+    assert len(healthy) <= 2, healthy
+
+    collapsed = feed(detector, COLLAPSED, rng, 10)
+    layer2 = [(i, a) for i, (obs, v) in enumerate(x for x in collapsed if x[0].layer == 2) for a in v.anomalies]
+    assert layer2 and layer2[0][0] < 10  # within ten traces of the layer
+    low = [a for _, a in layer2 if a.kind == "low_diversity"]
+    assert low and all(a.reference_revision == "r1" for a in low)
+    assert {h for a in low for h in a.heads} <= {"head-1", "head-2", "head-3", "head-4"}
+    assert not [a for obs, v in collapsed if obs.layer != 2 for a in v.anomalies if a.kind == "low_diversity"]
+
+    sunk = feed(detector, SUNK, rng, 10)
+    sink = [a for obs, v in sunk if obs.layer == 1 for a in v.anomalies if a.kind == "sink_shift"]
+    assert sink and {a.heads for a in sink} == {("head-3",)}
+    assert not [a for obs, v in sunk if obs.layer != 1 for a in v.anomalies]
 
 
-def test_reference_is_per_length_bucket():
+def test_a_pinned_revision_never_becomes_its_own_reference_until_promoted():
     rng = np.random.default_rng(2)
-    detector = Detector(DetectorConfig(reference_traces=50))
-    for _ in range(50):
-        observe(rng, detector, keys=64)
-    assert detector.reference_for("m", "r1", 1, 64)[0] is not None
-    assert detector.reference_for("m", "r1", 1, 1024)[0] is None  # longer sequences learn their own
+    detector = Detector(DetectorConfig(reference_traces=60, pins={("scenario-lm", "r2"): "r1"}))
+    waiting = feed(detector, COLLAPSED, rng, 30)  # r1 has no reference yet: nothing judges r2
+    assert all(v.judged_by is None and not v.learning for _, v in waiting)
+    assert any("not ready" in e for _, v in waiting for e in v.events)
+    assert not any(k[1] == "r2" for k in detector.references)  # and r2 learnt nothing
+    feed(detector, HEALTHY, rng, 60)
+    judged = feed(detector, COLLAPSED, rng, 10)
+    assert any(a.kind == "low_diversity" for _, v in judged for a in v.anomalies)
+
+    # a restart without the pin in the settings: the state keeps it
+    state = detector.state_dict()
+    restarted = Detector(DetectorConfig(reference_traces=60))
+    restarted.merge_state(state)
+    again = feed(restarted, COLLAPSED, rng, 10)
+    assert all(v.judged_by == "r1" for _, v in again)
+    assert any(a.kind == "low_diversity" for _, v in again for a in v.anomalies)
+
+    restarted.promote("scenario-lm", "r2", at=100.0)
+    learning = feed(restarted, COLLAPSED, rng, 10)
+    assert all(v.learning and v.judged_by is None for _, v in learning)
+    assert restarted.state_dict()["decisions"][0] | {} == {
+        "model": "scenario-lm", "revision": "r2", "pinned_to": None, "source": "promote", "at": 100.0}
 
 
-def test_state_merges_across_instances():
+def test_a_saved_decision_overrides_the_settings_and_the_later_decision_holds():
+    a = Detector(DetectorConfig(pins={("m", "r2"): "r1"}))
+    a.promote("m", "r2", at=50.0)
+    b = Detector(DetectorConfig(pins={("m", "r2"): "r1"}))
+    b.merge_state(a.state_dict())
+    assert b.judge_revision("m", "r2") == "r2"
+    b.pin("m", "r2", "r0", at=10.0)  # older than the promotion it would replace
+    c = Detector()
+    c.merge_state(b.state_dict())
+    c.merge_state(a.state_dict())
+    assert c.judge_revision("m", "r2") == "r2"
+
+
+def test_state_merges_across_instances_and_an_old_state_is_refused():
     rng = np.random.default_rng(3)
     a, b = Detector(DetectorConfig(reference_traces=40)), Detector(DetectorConfig(reference_traces=40))
-    for _ in range(30):
-        observe(rng, a)
-        observe(rng, b)
+    feed(a, HEALTHY, rng, 30)
+    feed(b, HEALTHY, rng, 30)
     merged = Detector(DetectorConfig(reference_traces=40))
     merged.merge_state(a.state_dict())
     merged.merge_state(b.state_dict())
-    ref, _ = merged.reference_for("m", "r1", 1, 64)
-    assert ref is not None and ref.count == 60
+    assert {ref.traces for ref in merged.references.values()} == {60}
+    with pytest.raises(ValueError, match="version 1"):
+        merged.merge_state({"references": []})

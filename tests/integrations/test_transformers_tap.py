@@ -201,3 +201,34 @@ def test_a_failing_sink_is_counted_and_the_model_runs_on():
         model(input_ids=torch.ones(1, 5, dtype=torch.long))
     counts = tap.detach()
     assert (counts.sampled, counts.published, counts.failed) == (2, 0, 2)
+
+
+def test_softcapping_and_sliding_windows_under_eager():
+    """Gemma 2 softcaps its attention logits and alternates sliding-window and full
+    layers; it runs eager (sdpa refuses softcapping), which the tap wraps as well."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    def gemma(implementation):
+        torch.manual_seed(0)
+        return Gemma2ForCausalLM(Gemma2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=100, sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=16,
+            attn_implementation=implementation)).eval()
+
+    model = gemma("eager")
+    ids = torch.randint(1, 100, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(input_ids=ids, output_attentions=True)
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0, rows=6)
+    with tap.request("gemma-1"), torch.no_grad():
+        tapped = model(input_ids=ids, output_attentions=True)
+    tap.detach()
+    assert torch.equal(tapped.logits, reference.logits)
+    assert tap.contract().scale == 16**-0.5
+    windows = {layer: bool((reference.attentions[layer][0, :, -1, :5] == 0).all()) for layer in (0, 1)}
+    assert windows == {0: True, 1: False}  # layer 0 slides (4 keys), layer 1 sees everything
+    for header, weights in sink.traces:
+        rows = list(header.query_positions)
+        expected = reference.attentions[header.layer][0].numpy()[:, rows]
+        np.testing.assert_allclose(weights.astype(np.float32), expected, atol=2e-3, rtol=2e-3)

@@ -13,8 +13,10 @@ from monitor.core.detect import DetectorConfig
 from monitor.state_file import StateFile
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"references": [{"key": 1}]}),
-                                     json.dumps({"references": [{"key": ["m", "r", 0, 0], "reference": {}}]})])
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 2, "references": [{"key": 1}]}),
+                                     json.dumps({"version": 2, "references": [{"key": ["m", "r", 0],
+                                                                               "reference": {}}]}),
+                                     json.dumps({"references": []})])  # the first release's format
 def test_an_unusable_state_file_is_ignored(tmp_path, caplog, content):
     state = StateFile(tmp_path, "instance")
     state.path.write_text(content)
@@ -26,6 +28,6 @@ def test_an_unusable_state_file_is_ignored(tmp_path, caplog, content):
 def test_a_saved_state_is_loaded_back(tmp_path):
     state = StateFile(tmp_path, "instance")
     assert state.load(DetectorConfig()) is None  # nothing saved yet
-    state.save({"references": []})
-    assert state.load(DetectorConfig()) == {"references": []}
+    state.save({"version": 2, "references": [], "decisions": []})
+    assert state.load(DetectorConfig()) == {"version": 2, "references": [], "decisions": []}
     assert not state.path.with_suffix(".tmp").exists()
