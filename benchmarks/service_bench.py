@@ -274,6 +274,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace)
     env = {"ATTENTION_MONITOR_BOOTSTRAP_SERVERS": bootstrap, "ATTENTION_MONITOR_TRACES_TOPIC": "b-traces",
            "ATTENTION_MONITOR_OUTCOMES_TOPIC": "b-outcomes", "ATTENTION_MONITOR_CONTRACTS_TOPIC": "b-contracts",
            "ATTENTION_MONITOR_ANOMALIES_TOPIC": "b-anomalies", "ATTENTION_MONITOR_DEAD_LETTER_TOPIC": "b-dead",
+           "ATTENTION_MONITOR_REFERENCES_TOPIC": "b-references",
            "ATTENTION_MONITOR_KEYRING_FILE": str(work / "keyring.json"),
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
@@ -332,7 +333,7 @@ def main() -> None:
     try:
         bootstrap = broker.bootstrap
         admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1}
+        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1}
         admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
                             wait_for_metadata=True)
         admin.close()

@@ -1,9 +1,12 @@
-"""The whole stack on real parts: broker → monitor → Prometheus (the repository's rules,
-time-scaled) → Alertmanager (the repository's config) → a webhook.
+"""The whole stack on real parts, with the shipped detection defaults: broker → monitor →
+Prometheus (the repository's rules, at their real timings) → Alertmanager (the
+repository's config) → a webhook.
 
-Prometheus runs the rule files with every ``for:`` and range window divided by 60 (10
-minutes become 10 seconds); expressions, labels and annotations are the deployed ones,
-and promtool checks the real timings (test_rules_and_dashboards.py).
+Traffic is realistic (monitor.tools.scenario): a reference revision, then healthy
+traffic judged by it, then two faulty revisions pinned to it at 0.5 requests/s each, one
+whose layer 2 collapses (four heads onto one pattern), one whose head 3 of layer 1
+becomes an attention sink. Prometheus scrapes and evaluates every second here (devstack;
+production uses 15 s, which adds at most 30 s to every figure below).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,46 +26,53 @@ from devstack.prometheus import start_alertmanager, start_prometheus
 from devstack.wait import wait_for
 from devstack.webhook import WebhookReceiver
 from monitor.producer import TraceProducer
-from tests.factories import KEY_ID, SECRET, make_trace
-from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts
+from monitor.tools.scenario import Fault, Scenario
+from tests.factories import KEY_ID, SECRET
+from tests.service.harness import Monitor, OutputReader, make_topics, monitor_env, publish_contracts, series
 
 pytestmark = [pytest.mark.kafka, pytest.mark.prometheus]
 REPO = Path(__file__).resolve().parents[2]
-SPEEDUP = 60
 PROMQL_WORDS = {
     "sum", "rate", "irate", "increase", "by", "without", "ignoring", "on", "group_left", "group_right", "and", "or",
     "unless", "max", "min", "avg", "count", "time", "absent", "scalar", "histogram_quantile", "le", "bool", "offset",
 }
+HEALTHY = Scenario(revision="rev-1")
+COLLAPSED = Scenario(revision="rev-2", faults=(Fault("collapse", 2, (1, 2, 3, 4)),))
+SUNK = Scenario(revision="rev-3", faults=(Fault("sink", 1, (3,)),))
+PINS = "scenario-lm@rev-2=rev-1,scenario-lm@rev-3=rev-1"
 
 
-class Traffic(threading.Thread):
-    """Healthy traces of layers 0 and 1 with outcomes, ~15 requests/s; ``collapse`` makes
-    layer 1's heads attend alike."""
+class Traffic:
+    """Sends requests of a scenario revision, with outcomes, at a rate, on a thread."""
 
-    def __init__(self, bootstrap: str, topics):
-        super().__init__(daemon=True)
-        self.bootstrap, self.topics = bootstrap, topics
-        self.collapse = threading.Event()
-        self.stopped = threading.Event()
+    def __init__(self, bootstrap: str, topics, scenario: Scenario, rate: float, requests: int, seed: int):
+        self.bootstrap, self.topics, self.scenario = bootstrap, topics, scenario
+        self.rate, self.requests, self.seed = rate, requests, seed
         self.sent = 0
+        self.started = 0.0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def run(self) -> None:
-        with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=self.topics,
-                           bootstrap_servers=self.bootstrap) as traces:
-            seed = 0
-            while not self.stopped.is_set():
-                seed += 1
-                request = None
-                for layer in (0, 1):
-                    drift = 0.95 if layer == 1 and self.collapse.is_set() else 0.0
-                    header, weights = make_trace(seed * 2 + layer, layer=layer, keys=64, rows=6, collapse=drift,
-                                                 request_id=request)
-                    request = header.request_id
-                    traces.send(header, weights)
-                    self.sent += 1
-                traces.send_outcome(request, "failure" if self.collapse.is_set() else "success")
-                traces.flush()
-                time.sleep(1 / 15)
+    def start(self) -> Traffic:
+        self.started = time.monotonic()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=self.topics, bootstrap_servers=self.bootstrap) as p:
+            for i in range(self.requests):
+                if self.stopped.is_set():
+                    break
+                request_id = f"{self.scenario.revision}-{self.seed}-{i}"
+                for header, weights in self.scenario.request(rng, request_id, timestamp=time.time()):
+                    p.send(header, weights)
+                p.send_outcome(request_id, "failure" if self.scenario.faults and i % 2 else "success")
+                p.flush()
+                self.sent += 1
+                delay = self.started + (i + 1) / self.rate - time.monotonic()
+                if delay > 0:
+                    self.stopped.wait(delay)
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +85,22 @@ def stack(kafka_broker, tmp_path_factory):
     admin = KafkaAdminClient(**kafka_broker.client_config())
     factory = _topic_factory(admin, lambda kind: f"{kind}-stack-{time.time_ns()}")
     topics = make_topics(next(factory))
-    publish_contracts(kafka_broker.bootstrap, topics)
+    publish_contracts(kafka_broker.bootstrap, topics, [s.contract() for s in (HEALTHY, COLLAPSED, SUNK)])
     env = monitor_env(kafka_broker.bootstrap, topics, f"stack-{time.time_ns()}", tmp, detail_level="head",
-                      join_ttl_s=2)
+                      join_ttl_s=2, reference_pins=PINS)
+    for name in ("REFERENCE_TRACES", "MIN_EFFECT", "FALSE_ALARM_ARL"):  # the shipped defaults, not the harness's
+        env.pop(f"ATTENTION_MONITOR_{name}")
     monitor = Monitor(env, tmp / "monitor.log")
     webhook = WebhookReceiver()
     am = start_alertmanager(webhook.url, tmp / "alertmanager")
     prom = start_prometheus({"attention-monitor": [f"127.0.0.1:{monitor.port}"]}, [am.address], tmp / "prometheus",
                             rules=False)
-    traffic = Traffic(kafka_broker.bootstrap, topics)
     try:
         monitor.wait_ready()
         wait_for(lambda: prom.query('up{job="attention-monitor"} == 1'), timeout=30, what="the first scrape")
-        prom.load_rules(SPEEDUP)
-        traffic.start()
-        yield monitor, prom, am, webhook, traffic
+        prom.load_rules(1)  # the rules as deployed
+        yield monitor, prom, am, webhook, topics, kafka_broker.bootstrap
     finally:
-        traffic.stopped.set()
-        traffic.join(10)
         prom.stop()
         am.stop()
         webhook.close()
@@ -129,9 +138,93 @@ def rules_and_dashboard_exprs() -> tuple[set[str], list[tuple[str, str]]]:
     return records, exprs
 
 
+def firing(prom) -> set[tuple[str, str, str]]:
+    return {(a["labels"]["alertname"], a["labels"].get("revision", ""), a["labels"].get("layer", ""))
+            for a in prom.alerts() if a["state"] == "firing"}
+
+
+def layer_value(monitor, name: str, revision: str, layer: int, **labels: str) -> float:
+    return monitor.value(series(name, layer=str(layer), model="scenario-lm", revision=revision, **labels))
+
+
+def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two_minutes(stack):
+    """One story, in order. The reference revision teaches its reference; 1,000 healthy
+    traces judged by it open no incident (so no anomaly alert can fire: the rules read
+    incidents only) and raise at most one anomaly; then the two faulty revisions, at
+    0.5 requests/s each, are found on the right layer and heads within 10 traces, and
+    each pages once within 2 minutes; every panel of every dashboard then has data."""
+    monitor, prom, _am, webhook, topics, bootstrap = stack
+    Traffic(bootstrap, topics, HEALTHY, rate=40, requests=100, seed=1).start().thread.join(60)
+    wait_for(lambda: all(layer_value(monitor, "attention_reference_ready", "rev-1", layer) == 1 for layer in range(4)),
+             timeout=60, what="the reference of every layer ready")
+    Traffic(bootstrap, topics, HEALTHY, rate=40, requests=250, seed=2).start().thread.join(60)
+    judged = lambda: sum(layer_value(monitor, "attention_traces_total", "rev-1", layer) for layer in range(4))  # noqa: E731
+    wait_for(lambda: judged() == 1400, timeout=60, what="1,000 healthy traces judged")
+    anomalies = sum(v for k, v in monitor.metrics().items() if k.startswith("attention_anomalies_total{"))
+    incidents = sum(v for k, v in monitor.metrics().items() if k.startswith("attention_incidents_total{"))
+    print(f"healthy: {anomalies:.0f} anomalies and {incidents:.0f} incidents in 1,000 judged traces")
+    assert anomalies <= 1 and incidents == 0
+
+    reader = OutputReader(bootstrap, topics.anomalies)
+    faults = [Traffic(bootstrap, topics, COLLAPSED, rate=0.5, requests=70, seed=3).start(),
+              Traffic(bootstrap, topics, SUNK, rate=0.5, requests=70, seed=4).start()]
+
+    def one_page_each(alerts: set[tuple[str, str, str]]) -> set[tuple[str, str, str]] | None:
+        # the sunk head becomes a copy of the layer's healthy sink head: low diversity or a
+        # head-pattern shift, whichever the evidence opens first, but one page
+        pages = {(rev, layer) for _, rev, layer in alerts}
+        return alerts if pages == {("rev-2", "2"), ("rev-3", "1")} else None
+
+    fired = wait_for(lambda: one_page_each(firing(prom)), timeout=150, what="one alert firing for each fault")
+    took = time.monotonic() - faults[0].started
+    print(f"both alerts firing {took:.0f} s after the faulty revisions' first requests (0.5 requests/s each)")
+    assert took < 120
+    assert ("AttentionLowHeadDiversity", "rev-2", "2") in fired and len(fired) == 2  # one page per fault
+
+    records = reader.wait(lambda r: {d["model_revision"] for d in r[topics.anomalies]
+                                     if d.get("schema") == "attention-incident/1"} >= {"rev-2", "rev-3"},
+                          timeout=30, what="the incident records")
+    incidents = {(d["model_revision"], d["layer"], d["family"]): d for d in records[topics.anomalies]
+                 if d.get("schema") == "attention-incident/1" and d["change"] == "opened"}
+    assert {key[:2] for key in incidents} == {("rev-2", 2), ("rev-3", 1)} and ("rev-2", 2, "diversity") in incidents
+    findings = [d for d in records[topics.anomalies] if d.get("schema") == "attention-anomaly/1"]
+    first = {rev: min(int(d["request_id"].rsplit("-", 1)[1]) for d in findings if d["model_revision"] == rev)
+             for rev in ("rev-2", "rev-3")}
+    assert first["rev-2"] < 10 and first["rev-3"] < 10  # within 10 traces of the faulty layer
+    assert all(d["layer"] == 2 and set(d["heads"]) <= {"head-1", "head-2", "head-3", "head-4"}
+               for d in findings if d["model_revision"] == "rev-2" and d["kind"] == "low_diversity")
+    sunk = [d for d in findings if d["model_revision"] == "rev-3"]
+    assert all(d["layer"] == 1 and "head-3" in d["heads"] for d in sunk)
+    assert {tuple(d["heads"]) for d in sunk if d["kind"] != "low_diversity"} == {("head-3",)}
+    reader.close()
+
+    wait_for(lambda: "AttentionLowHeadDiversity" in webhook.alert_names(), timeout=60,
+             what="the page delivered by Alertmanager")
+    alert = next(a for body in webhook.received for a in body["alerts"]
+                 if a["labels"]["alertname"] == "AttentionLowHeadDiversity")
+    assert alert["labels"]["layer"] == "2" and alert["labels"]["severity"] == "warning"
+    assert "not an automatic pruning command" in alert["annotations"]["policy"]
+    assert alert["annotations"]["runbook_url"].endswith("AttentionLowHeadDiversity.md")
+
+    wait_for(lambda: prom.query('model_revision_layer_kind:attention_anomaly_failure_ratio:1h'), timeout=60,
+             what="anomalies joined to outcomes recorded")
+    empty = []
+    for path in sorted((REPO / "dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                expr = (target["expr"].replace("$__rate_interval", "10s").replace("$model", "scenario-lm")
+                        .replace("$revision", "rev-2").replace("$layer", ".*"))
+                if not prom.query(expr):
+                    empty.append(f"{path.name}: {panel['title']}: {target['expr']}")
+    assert not empty, "\n".join(empty)
+    for traffic in faults:
+        traffic.stopped.set()
+        traffic.thread.join(30)
+
+
 def test_every_metric_in_rules_and_dashboards_is_really_exposed(stack):
     monitor = stack[0]
-    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") > 20, timeout=60,
+    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") > 20, timeout=120,
              what="traces consumed")
     exposed = exposed_names(monitor)
     records, exprs = rules_and_dashboard_exprs()
@@ -140,62 +233,3 @@ def test_every_metric_in_rules_and_dashboards_is_really_exposed(stack):
     assert not missing, sorted(missing)
     assert metric_names('sum by (kind) (rate(attention_anomalies_total{model=~"$m"}[5m]))') == \
         {"attention_anomalies_total"}  # the extraction itself
-
-
-def firing(prom) -> set[str]:
-    return {a["labels"]["alertname"] for a in prom.alerts() if a["state"] in ("pending", "firing")}
-
-
-def quiet_period() -> float:
-    """How long healthy traffic must raise nothing, from the deployed rules at test
-    speed: the longest ``for:`` of an anomaly alert plus the longest rate window the
-    anomaly rules read (a window fully inside healthy traffic, held for that long)."""
-    doc = yaml.safe_load((REPO / "alerts" / "attention.rules.yml").read_text())
-    rules = [r for g in doc["groups"] for r in g["rules"]]
-    anomaly = [r for r in rules if "anomal" in r["expr"] or "diversity" in r["expr"]]
-    seconds = {"s": 1, "m": 60, "h": 3600}
-    longest_for = max(int(r["for"][:-1]) * seconds[r["for"][-1]] for r in anomaly if "alert" in r)
-    windows = [int(n) * seconds[u] for r in anomaly for n, u in re.findall(r"rate\([^\[]*\[(\d+)([smh])\]", r["expr"])]
-    return (longest_for + max(windows)) / SPEEDUP
-
-
-def test_healthy_traffic_fires_nothing_then_a_collapsing_layer_fires_low_diversity_and_fills_the_dashboards(stack):
-    """One story, in order: healthy traffic (nothing pending or firing for a full quiet
-    period), then layer 1 collapses (the low-diversity alert reaches the webhook for
-    layer 1 only), then every dashboard panel query returns data."""
-    monitor, prom, _am, webhook, traffic = stack
-    assert not traffic.collapse.is_set()
-    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") >= 120, timeout=90,
-             what="references learnt (30 traces per layer) and healthy traffic flowing")
-    healthy_until = time.monotonic() + quiet_period()
-    while time.monotonic() < healthy_until:
-        assert not firing(prom), prom.alerts()
-        time.sleep(1)
-    assert not webhook.alert_names(), webhook.received
-
-    traffic.collapse.set()
-    started = time.monotonic()
-    wait_for(lambda: "AttentionLowHeadDiversity" in webhook.alert_names(), timeout=90,
-             what="AttentionLowHeadDiversity delivered by Alertmanager to the webhook")
-    took = time.monotonic() - started
-    alert = next(a for body in webhook.received for a in body["alerts"]
-                 if a["labels"]["alertname"] == "AttentionLowHeadDiversity")
-    assert alert["labels"]["layer"] == "1" and alert["labels"]["model"] == "test-model"
-    assert alert["labels"]["severity"] == "warning"
-    assert "not an automatic pruning command" in alert["annotations"]["policy"]
-    assert alert["annotations"]["runbook_url"].endswith("AttentionLowHeadDiversity.md")
-    assert not any(a["labels"].get("layer") == "0" for body in webhook.received for a in body["alerts"]
-                   if a["labels"]["alertname"] in {"AttentionLowHeadDiversity", "AttentionEntropyCollapse"})
-    print(f"low-diversity alert delivered {took:.0f} s after the collapse began")
-
-    wait_for(lambda: prom.query('model_revision_layer_kind:attention_anomaly_failure_ratio:1h'), timeout=60,
-             what="anomalies joined to outcomes recorded")
-    empty = []
-    for path in sorted((REPO / "dashboards").glob("*.json")):
-        for panel in json.loads(path.read_text())["panels"]:
-            for target in panel["targets"]:
-                expr = (target["expr"].replace("$__rate_interval", "10s").replace("$model", "test-model")
-                        .replace("$revision", "rev-1").replace("$layer", ".*"))
-                if not prom.query(expr):
-                    empty.append(f"{path.name}: {panel['title']}: {target['expr']}")
-    assert not empty, "\n".join(empty)

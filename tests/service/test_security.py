@@ -26,7 +26,8 @@ def test_missing_acls_end_the_monitor_with_a_clear_reason_and_granted_acls_let_i
         denied.process.log_path.read_text()
 
     grant(scram_admin, user, topics={
-        topics.contracts: ["READ", "DESCRIBE"], topics.traces: ["READ", "DESCRIBE"],
+        topics.contracts: ["READ", "DESCRIBE"], topics.references: ["READ", "DESCRIBE"],
+        topics.traces: ["READ", "DESCRIBE"],
         topics.outcomes: ["READ", "DESCRIBE"],
         topics.anomalies: ["READ", "WRITE", "DESCRIBE"], topics.dead_letter: ["READ", "WRITE", "DESCRIBE"],
     }, groups={group: ["READ"]})
