@@ -29,7 +29,7 @@ RANKS: list[set[str]] = [
     {"cli"},
     {"__main__"},
 ]
-PACKAGES = {"core", "routing", "broker", "tools", "integrations"}
+PACKAGES = {"core", "routing", "broker", "tools", "integrations", "cli"}
 ONLY_HERE = {"kafka": "broker", "torch": "integrations", "transformers": "integrations"}
 
 

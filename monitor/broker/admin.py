@@ -1,15 +1,18 @@
-"""Creating the monitor's topics (``attention-monitor topics create``, ``make kafka``)."""
+"""Administration: creating the monitor's topics (``attention-monitor topics create``,
+``make kafka``) and reference decisions (``attention-monitor reference …``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaProducer
 from kafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
 from monitor.broker.errors import infrastructure_error
+from monitor.broker.tables import TableReader
 from monitor.errors import InfrastructureError
+from monitor.references import ReferenceDecision, ReferenceTable
 from monitor.topics import TopicSpec
 
 CREATED, EXISTS = "created", "exists"
@@ -44,3 +47,29 @@ def create_topics(kafka_config: dict[str, Any], specs: Iterable[TopicSpec], repl
     finally:
         if admin is not None:
             admin.close()
+
+
+def publish_decision(kafka_config: dict[str, Any], topic: str, decision: ReferenceDecision,
+                     timeout_s: float = 30.0) -> None:
+    """Publish a reference decision and wait until the broker has it."""
+    producer = None
+    try:
+        producer = KafkaProducer(acks="all", **kafka_config)
+        key, value = decision.record()
+        producer.send(topic, key=key, value=value).get(timeout=timeout_s)
+    except KafkaError as exc:
+        raise infrastructure_error(f"publishing to {topic} failed", exc) from exc
+    finally:
+        if producer is not None:
+            producer.close()
+
+
+def read_decisions(kafka_config: dict[str, Any], topic: str, timeout_s: float = 30.0) -> ReferenceTable:
+    """Every reference decision on the topic, the latest per revision."""
+    table = ReferenceTable()
+    reader = TableReader(kafka_config, topic, table)
+    try:
+        reader.load(timeout_s)
+    finally:
+        reader.close()
+    return table

@@ -1,5 +1,6 @@
-"""``attention-monitor triage``: what the recent anomaly records of a model say, for
-on-call. Reads the tail of ``attention-anomalies``; never touches weights."""
+"""``attention-monitor triage``: what the recent incidents of a model and their anomaly
+records say, for on-call. Reads the tail of ``attention-anomalies``; never touches
+weights."""
 
 from __future__ import annotations
 
@@ -20,10 +21,42 @@ def select(records: Iterable[dict[str, Any]], model: str | None, revision: str |
             and (kind is None or r.get("kind") == kind)]
 
 
-def report(records: list[dict[str, Any]]) -> str:
-    if not records:
-        return "no anomaly records match\n\nPolicy: " + NOT_PRUNING
-    lines = [f"{len(records)} anomaly records", ""]
+def select_incidents(records: Iterable[dict[str, Any]], model: str | None, revision: str | None,
+                     layer: int | None) -> list[dict[str, Any]]:
+    """The latest record of every matching incident (opened, or closed with its evidence)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if (r.get("schema", "").startswith("attention-incident") and (model is None or r.get("model_id") == model)
+                and (revision is None or r.get("model_revision") == revision)
+                and (layer is None or r.get("layer") == layer)):
+            latest[r["incident_id"]] = r
+    return list(latest.values())
+
+
+def incident_lines(incidents: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{len(incidents)} incidents", ""]
+    for i in sorted(incidents, key=lambda i: i["opened_at"]):
+        strongest = i.get("strongest") or {}
+        lines += [
+            f"{i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}: {i['state']}"
+            + (f", merged into {i['merged_into']}" if i.get("merged_into") else ""),
+            f"  {i['anomalies']} findings on {i['traces']} traces against {i['reference_revision']}; heads involved: "
+            + (", ".join(i["heads"]) or "-"),
+            "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i["side_effects"].items())) or "none"),
+        ]
+        if strongest:
+            lines.append(f"  strongest: {strongest.get('kind')} value {strongest.get('value', 0):.3f} against "
+                         f"{strongest.get('reference', 0):.3f}, effect {strongest.get('effect_size', 0):.1f} sd, "
+                         f"trace {strongest.get('trace_id')}")
+        lines.append("")
+    return lines
+
+
+def report(records: list[dict[str, Any]], incidents: list[dict[str, Any]] | None = None) -> str:
+    if not records and not incidents:
+        return "no incident or anomaly records match\n\nPolicy: " + NOT_PRUNING
+    lines = incident_lines(incidents) if incidents else []
+    lines += [f"{len(records)} anomaly records (the incidents' evidence)", ""]
     groups = Counter((r["model_id"], r["model_revision"], r["layer"], r["kind"]) for r in records)
     for (model, revision, layer, kind), n in groups.most_common():
         mine = [r for r in records if (r["model_id"], r["model_revision"], r["layer"], r["kind"])

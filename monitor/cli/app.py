@@ -1,0 +1,68 @@
+"""The ``attention-monitor`` application, its command groups and what the commands share.
+
+Exit codes (:class:`monitor.errors.ExitCode`): 0 success; 1 a check failed (an audit
+FAIL, an invalid configuration); 2 bad usage or unreadable input; 3 an infrastructure
+error (broker unreachable, authorization refused) after retries; 4 the service's
+measuring process died; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from monitor.errors import ExitCode
+
+app = typer.Typer(
+    name="attention-monitor",
+    help="Watch the attention heads of transformer models in production.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+contract_app = typer.Typer(help="Model contracts: what a model revision's attention layers are.",
+                           no_args_is_help=True)
+app.add_typer(contract_app, name="contract")
+topics_app = typer.Typer(help="The monitor's Kafka topics.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+keyring_app = typer.Typer(help="Keyrings: the HMAC keys traces are signed with.", no_args_is_help=True)
+app.add_typer(keyring_app, name="keyring")
+reference_app = typer.Typer(help="Which revision's reference judges a model revision: pins and promotions.",
+                            no_args_is_help=True)
+app.add_typer(reference_app, name="reference")
+
+EXIT_FAILED = ExitCode.FAILED
+EXIT_USAGE = ExitCode.USAGE
+
+
+def load_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        typer.echo(f"error: cannot read {what} {path}: {exc.strerror}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    except json.JSONDecodeError as exc:
+        typer.echo(f"error: {what} {path} is not JSON: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+
+
+def load_settings() -> Any:
+    from pydantic import ValidationError
+
+    from monitor.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        typer.echo(f"error: invalid settings:\n{exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+
+
+def setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)

@@ -1,0 +1,127 @@
+"""``attention-monitor status``: which reference judges every layer, whether it is ready,
+what nothing judges, and which incidents are open; from the saved reference state and
+the live service's ``/metrics``."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from monitor.core.detect import Detector, DetectorConfig
+
+Layer = tuple[str, str, int]
+
+
+@dataclass
+class LayerStatus:
+    judged_by: str = "-"
+    reference_traces: float | None = None
+    ready: bool | None = None
+    traces: float = 0.0
+    unjudged: dict[str, float] = field(default_factory=dict)
+    incidents: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Status:
+    layers: dict[Layer, LayerStatus] = field(default_factory=lambda: defaultdict(LayerStatus))
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
+    """Merge every instance's state file in ``folder`` (as a restart would)."""
+    files = sorted(folder.glob("reference-*.json")) if folder.is_dir() else []
+    if not files:
+        status.notes.append(f"no reference state in {folder}")
+        return
+    detector = Detector(config)
+    for path in files:
+        try:
+            detector.merge_state(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            status.notes.append(f"{path}: unusable ({exc})")
+    for (model, revision, layer), ref in detector.references.items():
+        row = status.layers[(model, revision, layer)]
+        row.reference_traces = float(ref.traces)
+        row.ready = ref.traces >= config.reference_traces
+    for (model, revision), decision in sorted(detector.decisions.items()):
+        status.decisions.append({"model": model, "revision": revision, **decision.to_dict()})
+
+
+def from_metrics(status: Status, text: str) -> None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if "layer" not in labels or "model" not in labels:
+                continue
+            key = (labels["model"], labels["revision"], int(labels["layer"]))
+            row = status.layers[key]
+            if sample.name == "attention_traces_total":
+                row.traces = sample.value
+            elif sample.name == "attention_reference_ready":
+                row.ready = sample.value == 1
+            elif sample.name == "attention_reference_traces":
+                row.reference_traces = sample.value
+            elif sample.name == "attention_reference_judge" and sample.value == 1:
+                row.judged_by = labels["reference"]
+            elif sample.name == "attention_traces_unjudged_total" and sample.value:
+                row.unjudged[labels["reason"]] = sample.value
+            elif sample.name == "attention_incident_open" and sample.value == 1:
+                row.incidents.append(labels["family"])
+
+
+def scrape(url: str, basic_auth: tuple[str, str] | None = None, cafile: Path | None = None,
+           timeout: float = 10.0) -> str:
+    request = urllib.request.Request(url)
+    if basic_auth is not None:
+        token = base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    context = ssl.create_default_context(cafile=str(cafile)) if cafile is not None else None
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
+def report(status: Status, reference_traces: int) -> str:
+    lines = [f"{'model':<20} {'revision':<16} {'layer':>5}  {'judged by':<16} {'reference':>11}  {'traces':>8}  "
+             f"{'unjudged':<24} incidents"]
+    for (model, revision, layer), row in sorted(status.layers.items()):
+        held = "-" if row.reference_traces is None else f"{row.reference_traces:.0f}/{reference_traces}"
+        ready = {True: " ready", False: " learning", None: ""}[row.ready]
+        unjudged = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(row.unjudged.items())) or "-"
+        lines.append(f"{model:<20} {revision:<16} {layer:>5}  {row.judged_by:<16} {held:>11}{ready:<9} "
+                     f"{row.traces:>8.0f}  {unjudged:<24} {', '.join(row.incidents) or '-'}")
+    if not status.layers:
+        lines.append("(no layer seen yet)")
+    lines += ["", "Reference decisions (saved state):"]
+    for d in status.decisions:
+        what = f"pinned to {d['pinned_to']}" if d["pinned_to"] else "its own reference (promoted)"
+        lines.append(f"  {d['model']} {d['revision']}: {what} ({d['source']})")
+    if not status.decisions:
+        lines.append("  none: every revision learns its own reference from its first traces")
+    lines += [f"note: {note}" for note in status.notes]
+    return "\n".join(lines) + "\n"
+
+
+def gather(state_dir: Path | None, url: str, config: DetectorConfig, basic_auth: tuple[str, str] | None = None,
+           cafile: Path | None = None) -> Status:
+    status = Status()
+    if state_dir is not None:
+        from_state(status, state_dir, config)
+    else:
+        status.notes.append("no STATE_DIR set: reference state is not saved")
+    try:
+        from_metrics(status, scrape(url, basic_auth, cafile))
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        status.notes.append(f"the live service at {url} did not answer ({exc}); showing the saved state only")
+    return status

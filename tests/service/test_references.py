@@ -1,0 +1,87 @@
+"""Readiness and reference decisions on the real broker and service: pins through
+``attention-monitor reference pin``, visible on /metrics, in the log and in
+``attention-monitor status``; kept in the state across a restart without the setting;
+ended only by ``reference promote``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from devstack.wait import wait_for
+from monitor.tools.scenario import Scenario
+from tests.service.harness import REPO, Monitor, make_topics, monitor_env, publish_contracts, send_traces, series
+
+pytestmark = pytest.mark.kafka
+HEALTHY, NEXT = Scenario(revision="rev-1"), Scenario(revision="rev-2")
+
+
+def traces(scenario: Scenario, seed: int, requests: int):
+    rng = np.random.default_rng(seed)
+    return [trace for i in range(requests) for trace in scenario.request(rng, f"{scenario.revision}-{seed}-{i}")]
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monitor", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def judge(monitor: Monitor, revision: str, layer: int = 0) -> dict[str, float]:
+    prefix = "attention_reference_judge{"
+    return {k: v for k, v in monitor.metrics().items()
+            if k.startswith(prefix) and f"revision={revision}" in k and f"layer={layer}," in k}
+
+
+def test_a_pin_is_visible_kept_across_a_restart_and_ended_only_by_a_promotion(kafka_broker, make_topic, tmp_path):
+    topics = make_topics(make_topic)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract(), NEXT.contract()])
+    env = monitor_env(kafka_broker.bootstrap, topics, f"refs-{tmp_path.name}", tmp_path)
+    monitor = Monitor(env, tmp_path / "monitor.log")
+    try:
+        monitor.wait_ready()
+        send_traces(kafka_broker.bootstrap, topics.traces, traces(HEALTHY, 1, 30))
+        ready = series("attention_reference_ready", layer="0", model="scenario-lm", revision="rev-1")
+        wait_for(lambda: monitor.value(ready) == 1, timeout=60, what="rev-1's reference ready")
+        assert "reference of scenario-lm rev-1 layer 0 ready (30 traces)" in monitor.process.log_path.read_text()
+
+        pinned = cli(env, "reference", "pin", "scenario-lm@rev-2", "--to", "rev-1", "--by", "on-call")
+        assert pinned.returncode == 0, pinned.stderr
+        wait_for(lambda: "scenario-lm rev-2 pinned to the reference of rev-1 (by on-call)"
+                 in monitor.process.log_path.read_text(), timeout=30, what="the pin applied")
+        send_traces(kafka_broker.bootstrap, topics.traces, traces(NEXT, 2, 5))
+        wait_for(lambda: judge(monitor, "rev-2"), timeout=60, what="rev-2 judged")
+        assert list(judge(monitor, "rev-2")) == [series("attention_reference_judge", layer="0", model="scenario-lm",
+                                                        reference="rev-1", revision="rev-2")]
+        status = cli(env, "status")
+        assert status.returncode == 0, status.stderr
+        row = next(line for line in status.stdout.splitlines() if " rev-2 " in line and line.split()[2] == "0")
+        assert row.split()[3:5] == ["rev-1", "30/30"]
+        assert "scenario-lm rev-2: pinned to rev-1 (pin)" in status.stdout
+    finally:
+        monitor.process.stop()  # the state is saved on the way out
+
+    restarted = Monitor(env, tmp_path / "restarted.log", "restarted")  # no pin in its settings
+    try:
+        restarted.wait_ready()
+        send_traces(kafka_broker.bootstrap, topics.traces, traces(NEXT, 3, 5))
+        wait_for(lambda: "is judged by the reference of rev-1" in restarted.process.log_path.read_text(),
+                 timeout=60, what="the saved pin in effect after the restart")
+        unjudged = series("attention_traces_unjudged_total", layer="0", model="scenario-lm", reason="learning",
+                          revision="rev-2")
+        assert restarted.value(unjudged) == 0  # rev-2 never learnt from its own traces
+
+        promoted = cli(env, "reference", "promote", "scenario-lm@rev-2", "--by", "on-call")
+        assert promoted.returncode == 0, promoted.stderr
+        wait_for(lambda: "rev-2 promoted to be its own reference (by on-call)"
+                 in restarted.process.log_path.read_text(), timeout=30, what="the promotion applied")
+        send_traces(kafka_broker.bootstrap, topics.traces, traces(NEXT, 4, 5))
+        wait_for(lambda: restarted.value(unjudged) == 5, timeout=60, what="rev-2 learning its own reference")
+        listed = cli(env, "reference", "list")
+        assert "scenario-lm@rev-2: promoted by on-call" in listed.stdout, listed.stdout + listed.stderr
+    finally:
+        restarted.process.stop()
+    assert "scenario-lm rev-2: its own reference (promoted)" in cli(env, "status").stdout
+    assert cli(env, "reference", "pin", "scenario-lm@rev-2", "--to", "rev-2").returncode == 2  # not itself
