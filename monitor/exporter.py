@@ -132,7 +132,12 @@ class MonitorMetrics:
         self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
                                 registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
-        self.commits = Counter(f"{s}commits", "Offset commits after flushed outputs.", registry=r)
+        self.commits = Counter(f"{s}commits", "Transactions committing a batch's outputs with its offsets.",
+                               registry=r)
+        self.output_failures = Counter(f"{s}output_failures", "Output transactions that failed, by reason "
+                                       "(aborted: sent again; group_moved; fenced).", ["reason"], registry=r)
+        for reason in ("aborted", "group_moved", "fenced"):
+            self.output_failures.labels(reason)
         self._layers: dict[tuple[tuple[str, str], int], LayerSeries] = {}
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)

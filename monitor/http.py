@@ -24,6 +24,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 10.0  #: seconds an idle connection may hold its thread (set per server)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -39,6 +41,7 @@ class MetricsServer:
         tls_key: Path | None = None,
         basic_auth: tuple[str, str] | None = None,
         ready: Callable[[], bool] = lambda: True,
+        idle_timeout_s: float = 10.0,
     ):
         self._metrics = make_wsgi_app(registry)
         self._ready = ready
@@ -46,7 +49,8 @@ class MetricsServer:
         if basic_auth is not None:
             token = base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
             self._auth = f"Basic {token}".encode()
-        self._server = make_server(address, port, self._app, server_class=_Server, handler_class=_QuietHandler)
+        handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+        self._server = make_server(address, port, self._app, server_class=_Server, handler_class=handler)
         self.tls = tls_cert is not None
         if tls_cert is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

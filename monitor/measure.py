@@ -184,6 +184,11 @@ class Measurer:
                       exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
 
+    def remember(self, trace_ids: list[str]) -> None:
+        """Treat these traces as processed already (their outputs were read back)."""
+        for trace_id in trace_ids:
+            self.recent.add(("trace", trace_id))
+
     def forget(self, trace_ids: list[str]) -> None:
         """Let these traces through again (their partition went elsewhere un-committed)."""
         for trace_id in trace_ids:

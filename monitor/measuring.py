@@ -67,6 +67,7 @@ class Command(Enum):
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
     DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
+    REMEMBER = "remember"  #: (trace ids,): already processed (read back from the outputs)
     STATE = "state"  #: () → the detector's reference state
     PING = "ping"  #: () → None, once everything before it is done
     STOP = "stop"  #: (): the child leaves
@@ -87,6 +88,8 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.forget(args[0])
     if command is Command.DECIDE:
         return measurer.decide(args[0])
+    if command is Command.REMEMBER:
+        return measurer.remember(args[0])
     if command is Command.STATE:
         return measurer.detector.state_dict()
     if command is Command.PING:
@@ -143,6 +146,10 @@ class _Ordered:
     def forget(self, trace_ids: list[str]) -> None:
         if trace_ids:
             self.call(Command.FORGET, trace_ids)
+
+    def remember(self, trace_ids: list[str]) -> None:
+        if trace_ids:
+            self.call(Command.REMEMBER, trace_ids)
 
     def sync_decisions(self, table: ReferenceTable) -> None:
         """Send the reference decisions made since the last call."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +52,8 @@ class Batch:
 
     outputs: list[Output]
     positions: dict[TP, int]  #: next offset to read of every partition, after this batch
-    committable: dict[TP, int]  #: safe to commit once the outputs are flushed
+    committable: dict[TP, int]  #: safe to commit with the outputs
+    taught: bool = False  #: a trace of the batch taught a reference (save the state before committing)
 
 
 @dataclass
@@ -82,6 +85,10 @@ class Pipeline:
         self.join: JoinBuffer[_Waiting] = JoinBuffer(join_ttl, join_max_entries)
         self.incidents = IncidentTracker(incident_quiet)
         self._emitted: set[Source] = set()
+        self._emitted_lock = threading.Lock()
+        #: the join's watermark: the newest event time read on each stream, and when
+        self._newest = {"trace": -math.inf, "outcome": -math.inf}
+        self._read_at = {"trace": -math.inf, "outcome": -math.inf}
         #: next offset to read of each partition, after the batches accounted for so far
         self._progress: dict[TP, int] = {}
         self._clock, self._wall = clock, wall_clock
@@ -102,15 +109,35 @@ class Pipeline:
     def _account(self, records: list[Record], measuring: list[Future[list[Result]]]) -> Batch:
         measured = results(measuring)
         outputs = []
+        taught = False
         for record in records:
             if record.topic == self.topics.traces:
-                outputs += self._trace(record, next(measured))
+                result = next(measured)
+                taught |= isinstance(result, Measured) and result.verdict.learning
+                outputs += self._trace(record, result)
             else:
                 outputs += self._outcome(record)
             self._progress[(record.topic, record.partition)] = record.offset + 1
-        outputs += self._emit(self.join.expire(self._clock()))
+        outputs += self._emit(self.join.expire(self._watermark()))
         outputs += self._incident_records(self.incidents.expire(self._clock()), None)
-        return Batch(outputs, dict(self._progress), self._committable())
+        return Batch(outputs, dict(self._progress), self._committable(), taught)
+
+    def _event_time(self, record: Record, stream: str) -> float:
+        """The record's time (never later than now: a producer's clock may run ahead),
+        and the watermark's bookkeeping."""
+        at = min(record.timestamp, self._wall()) if record.timestamp > 0 else self._wall()
+        self._newest[stream] = max(self._newest[stream], at)
+        self._read_at[stream] = self._clock()
+        return at
+
+    def _watermark(self) -> float:
+        """The join's clock: the older of the newest trace and the newest outcome read, so
+        a stream read ahead of the other (small outcomes racing large traces through a
+        backlog) expires nothing; a stream quiet for a TTL no longer holds it back, and
+        when both are, everything waiting may go."""
+        now = self._clock()
+        active = [self._newest[s] for s in self._newest if now - self._read_at[s] < self.join.ttl]
+        return min(active) if active else math.inf
 
     def _trace(self, record: Record, result: Result) -> list[Output]:
         self.metrics.consumed.inc()
@@ -139,7 +166,8 @@ class Pipeline:
                                              result.anomalies, records, self._clock(), now)
             outputs += self._incident_records(changes, record)
         waiting = _Waiting(ident, series.labels, ident["layer"], result.anomalies)
-        joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, self._clock())
+        at = self._event_time(record, "trace")
+        joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, at)
         return outputs + self._emit(joined)
 
     def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
@@ -169,7 +197,7 @@ class Pipeline:
             detail = f"outcome: {exc.errors()[0]['msg']}"
             return self._dead_letter(record, RejectReason.MALFORMED, detail, None)
         joined = self.join.add_outcome(outcome.request_id, outcome.outcome, record.partition, record.offset,
-                                       self._clock())
+                                       self._event_time(record, "outcome"))
         return self._emit(joined)
 
     def _reject(self, record: Record, reason: RejectReason, detail: str, header: Any) -> list[Output]:
@@ -179,8 +207,9 @@ class Pipeline:
 
     def _dead_letter(self, record: Record, reason: RejectReason, detail: str, header: Any) -> list[Output]:
         source = (record.topic, record.partition, record.offset)
-        if source in self._emitted:
-            return []
+        with self._emitted_lock:
+            if source in self._emitted:
+                return []
         value = None if record.value is None else bytes(record.value)
         doc = dead_letter(reason, detail, topic=record.topic, partition=record.partition, offset=record.offset,
                           record=value, key=record.key, header=header)
@@ -192,8 +221,9 @@ class Pipeline:
             w = item.item
             self.metrics.layer_of(w.labels, w.layer).observe_outcome(item.outcome, (a.kind for a in w.anomalies))
             source = (self.topics.traces, item.partition, item.offset)
-            if source in self._emitted:
-                continue
+            with self._emitted_lock:
+                if source in self._emitted:
+                    continue
             for anomaly in w.anomalies:
                 doc = anomaly_record(w.trace, anomaly, item.outcome, self._wall())
                 out.append(Output(self.topics.anomalies, w.trace["request_id"].encode(),
@@ -231,7 +261,15 @@ class Pipeline:
             log.info("dropped %d waiting traces of revoked partitions", len(dropped))
         self._sync_join_gauges()
         self.measuring.forget([waiting.trace["trace_id"] for waiting in dropped])
-        self._emitted |= emitted
+        with self._emitted_lock:
+            self._emitted |= emitted
+
+    def committed(self, offsets: dict[TP, int]) -> None:
+        """Offsets committed: outputs of records below them are never needed again."""
+        if not offsets:
+            return
+        with self._emitted_lock:
+            self._emitted = {s for s in self._emitted if s[2] >= offsets.get((s[0], s[1]), -1)}
 
 
 def incident_record(summary: dict[str, Any], change: str, now: float) -> dict[str, Any]:

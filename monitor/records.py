@@ -17,6 +17,7 @@ class Record:
     offset: int
     key: bytes | None
     value: bytes | memoryview | None  #: a memoryview in the measuring process (see monitor.measuring)
+    timestamp: float = 0.0  #: the record's time (its producer's clock), seconds since the epoch
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""The Kafka loop: poll a batch, hand it to the pipeline, flush its outputs, commit, repeat.
+"""The Kafka loop: poll a batch, hand it to the pipeline, commit its outputs with its
+offsets, repeat.
 
-Delivery is at-least-once: offsets are committed only after the batch's outputs are
-flushed, and never past a trace still waiting in the join buffer; re-processing after a
-crash is idempotent by trace id (the measurer's de-duplication window, plus a read-back
-of the output topics when a partition changes hands).
+Each batch's outputs and offsets are committed in one Kafka transaction
+(:mod:`monitor.delivery`), never past a trace still waiting in the join buffer;
+re-processing after a crash is idempotent by trace id (the measurer's de-duplication
+window, rebuilt from the committed outputs whenever a partition is assigned).
 
 SIGTERM or SIGINT ends the loop after the current batch: outputs are flushed, offsets
 committed, reference state saved and clients closed, then the process exits 0. Exit
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -34,22 +36,26 @@ from monitor.assignment import Assignment
 from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
-from monitor.broker.tail import emitted_sources
+from monitor.broker.tail import read_back
+from monitor.delivery import Delivery
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.exporter import MonitorMetrics
+from monitor.health import Health
 from monitor.http import MetricsServer
 from monitor.measure import MeasurerSpec
 from monitor.measuring import MeasuringProcess, MeasuringThread, start_measuring
 from monitor.memory import reuse_freed_memory
 from monitor.model_contract import ContractTable
 from monitor.pipeline import Batch, Pipeline
-from monitor.records import Record
+from monitor.records import Record, Source
 from monitor.references import ReferenceTable
 from monitor.settings import Settings
 from monitor.state_file import StateFile
 
 log = logging.getLogger(__name__)
 RETRIES = 5
+#: how often the broker is asked for the trace partitions' end offsets (lag and liveness)
+LAG_INTERVAL_S = 2.0
 T = TypeVar("T")
 
 
@@ -64,10 +70,9 @@ class Service:
         self.contracts = ContractTable()
         self.references = ReferenceTable()
         self.assignment = Assignment()
-        self.state_file = None if settings.state_dir is None else StateFile.for_instance(
-            settings.state_dir, settings.group_id, settings.client_id)
+        self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
         self.stopping = threading.Event()
-        self.ready = threading.Event()
+        self.health = Health(stale_s=max(15.0, 3 * LAG_INTERVAL_S))
         self._state_saving: Future[dict[str, Any]] | None = None
         self._saved_at = time.monotonic()
 
@@ -78,7 +83,7 @@ class Service:
         s = self.settings
         server = MetricsServer(
             self.registry, address=s.metrics_address, port=s.metrics_port, tls_cert=s.metrics_tls_cert,
-            tls_key=s.metrics_tls_key, ready=self.ready.is_set,
+            tls_key=s.metrics_tls_key, ready=self.health.ready, idle_timeout_s=s.metrics_idle_timeout_s,
             basic_auth=(s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value())
             if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None,
         ).start()
@@ -103,14 +108,21 @@ class Service:
                 readers[-1].load(s.startup_timeout_s)
             log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
                      len(self.references.decisions))
-            producer = OutputProducer(kafka)
+            producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
+                                      on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
             consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
                                      max_records=s.batch_max_records,
-                                     max_partition_fetch_bytes=s.fetch_partition_bytes)
+                                     max_partition_fetch_bytes=s.fetch_partition_bytes,
+                                     group_instance_id=f"{s.client_id}-{socket.gethostname()}"
+                                     if s.static_membership else None,
+                                     session_timeout_ms=s.session_timeout_ms,
+                                     heartbeat_interval_ms=s.heartbeat_interval_ms)
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
                                    self.topics.dead_letter])
             consumer.subscribe()
-            self._loop(consumer, readers, producer, measuring, pipeline)
+            delivery = Delivery(producer, consumer, pipeline, self.assignment, self.metrics, self.health,
+                                self.stopping, lambda: self._save_state(measuring))
+            self._loop(consumer, readers, delivery, measuring, pipeline)
             return ExitCode.OK
         except InfrastructureError as exc:
             log.error("stopping: %s", exc)
@@ -119,7 +131,7 @@ class Service:
             log.error("stopping: %s", exc)
             return ExitCode.MEASURING
         finally:
-            self.ready.clear()
+            self.health.assigned(False)
             if pipeline is not None:
                 pipeline.close()
             if measuring is not None:
@@ -130,15 +142,16 @@ class Service:
                     client.close()
             server.stop()
 
-    def _loop(self, consumer: GroupConsumer, readers: list[TableReader], producer: OutputProducer,
+    def _loop(self, consumer: GroupConsumer, readers: list[TableReader], delivery: Delivery,
               measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
-        """Poll a batch and hand it to the pipeline at once; flush and commit batches in
-        order as they complete. Up to ``batches_in_flight`` polled batches are measured
-        or accounted for at once, so the measuring worker always has the next one
-        queued. A rebalance waits for every batch in flight, then is acted on, and only
-        then does the pipeline get the poll that brought it."""
+        """Poll a batch and hand it to the pipeline at once; commit batches in order as
+        they complete. Up to ``batches_in_flight`` polled batches are measured or
+        accounted for at once, so the measuring worker always has the next one queued. A
+        rebalance waits for every batch in flight, then is acted on, and only then does
+        the pipeline get the poll that brought it."""
         s = self.settings
         running: deque[Future[Batch]] = deque()
+        lag_at = 0.0
         while not self.stopping.is_set():
             records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
             revoked, assigned = consumer.changes.take()
@@ -155,48 +168,47 @@ class Service:
             if revoked or assigned:
                 self.metrics.rebalances.inc()
                 while running:
-                    self._complete(running.popleft().result(), consumer, producer)
+                    delivery.complete(running.popleft().result())
                 if assigned:
-                    records = self._reassign(consumer, pipeline, assigned, records)
+                    records = self._reassign(consumer, pipeline, measuring, assigned, records)
+                    self.health.assigned()
             running.append(pipeline.process(records))
             while len(running) > s.batches_in_flight or (running and running[0].done()):
-                self._complete(running.popleft().result(), consumer, producer)
+                delivery.complete(running.popleft().result())
             self.metrics.contracts.set(len(self.contracts))
-            self.metrics.lag.set(consumer.lag(self.topics.traces))
-            self.ready.set()
+            if time.monotonic() - lag_at >= LAG_INTERVAL_S:
+                lag_at = time.monotonic()
+                self._check_broker(consumer)
             self._maybe_save_state(measuring)
         while running:
-            self._complete(running.popleft().result(), consumer, producer)
-        log.info("stop requested: last batch flushed and committed")
+            delivery.complete(running.popleft().result())
+        log.info("stop requested: last batch committed")
 
-    def _complete(self, batch: Batch, consumer: GroupConsumer, producer: OutputProducer) -> None:
-        """Flush a batch's outputs, then commit what it allows, for partitions still
-        owned (a rebalance while it ran may have moved some elsewhere)."""
-        producer.send(batch.outputs)
-        _retry(producer.flush, "flush outputs")
-        # Positions of parked partitions are kept (they may come back in the new
-        # assignment and resume there); only partitions surely still ours are committed.
-        owned = self.assignment.owned
-        consumer.positions.update({tp: o for tp, o in batch.positions.items() if tp in owned})
-        committing = self.assignment.committing
-        offsets = {tp: o for tp, o in batch.committable.items() if tp in committing}
-        if offsets:
-            _retry(lambda: consumer.commit(offsets), "commit")
-            self.metrics.commits.inc()
+    def _check_broker(self, consumer: GroupConsumer) -> None:
+        """Ask the broker for the trace partitions' end offsets: the lag, and whether it answers."""
+        try:
+            self.metrics.lag.set(consumer.lag(self.topics.traces))
+            self.health.broker_answered()
+        except InfrastructureError as exc:
+            self.health.broker_silent(str(exc))
 
-    def _reassign(self, consumer: GroupConsumer, pipeline: Pipeline, assigned: set[tuple[str, int]],
+    def _reassign(self, consumer: GroupConsumer, pipeline: Pipeline,
+                  measuring: MeasuringThread | MeasuringProcess, assigned: set[tuple[str, int]],
                   records: list[Record]) -> list[Record]:
         """Act on a completed rebalance, with no batch in flight; returns the records of
         the poll that brought it still to process (see :mod:`monitor.assignment`)."""
         change = self.assignment.assign(assigned, records, consumer.positions)
         consumer.forget(change.lost)
         consumer.seek(change.resume)
-        emitted = set()
+        emitted: set[Source] = set()
         if change.new:
             committed = consumer.committed(change.new)
-            emitted = emitted_sources(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
-                                      change.new, committed, self.settings.dedupe_window)
-            log.info("assigned %s; %d outputs already written for them", sorted(change.new), len(emitted))
+            written = read_back(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
+                                change.new, committed, self.settings.dedupe_window)
+            emitted = written.sources
+            measuring.remember(written.trace_ids)  # a trace sent again after a restart stays a duplicate
+            log.info("assigned %s; %d outputs already written for them, %d trace ids remembered", sorted(change.new),
+                     len(emitted), len(written.trace_ids))
         if change.kept:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
         pipeline.reassign({tp: o for tp, o in consumer.positions.items() if tp in assigned},
@@ -214,6 +226,14 @@ class Service:
         if self._state_saving is None and time.monotonic() - self._saved_at >= self.settings.state_save_interval_s:
             self._saved_at = time.monotonic()
             self._state_saving = measuring.state()
+
+    def _save_state(self, measuring: MeasuringThread | MeasuringProcess) -> None:
+        """Save the state now (before committing traces that taught a reference); a
+        periodic save still pending holds an older state and is dropped."""
+        if self.state_file is not None:
+            self._state_saving = None
+            self.state_file.save(measuring.state().result())
+            self._saved_at = time.monotonic()
 
     def _save_final_state(self, measuring: MeasuringThread | MeasuringProcess) -> None:
         if self.state_file is None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,6 +44,12 @@ class Settings(BaseSettings):
     batches_in_flight: int = Field(2, gt=0, description="polled batches measured or accounted for at once; more "
                                    "keep the measuring process busy, each holds one poll's records in memory")
     startup_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the broker at start")
+    static_membership: bool = Field(True, description="join the group as <client_id>-<host> (group.instance.id): a "
+                                    "restart within the session timeout keeps its partitions, no rebalance")
+    session_timeout_ms: int = Field(15_000, ge=6_000, description="a member silent this long loses its partitions")
+    heartbeat_interval_ms: int = Field(3_000, gt=0)
+    delivery_timeout_ms: int = Field(120_000, gt=0, description="how long one output transaction may try to "
+                                     "deliver before it is aborted and sent again")
 
     # Access
     keyring_file: Path | None = None
@@ -79,6 +87,7 @@ class Settings(BaseSettings):
     metrics_tls_key: Path | None = None
     metrics_basic_auth_user: str | None = None
     metrics_basic_auth_password: SecretStr | None = None
+    metrics_idle_timeout_s: float = Field(10.0, gt=0, description="an idle /metrics connection is closed after this")
     detail_level: Literal["layer", "head"] = "layer"
     max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
     model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")
@@ -109,6 +118,11 @@ class Settings(BaseSettings):
             return Keyring.from_file(self.keyring_file)
         raise ConfigurationError("no keyring: set ATTENTION_MONITOR_KEYRING_FILE or ATTENTION_MONITOR_KEYRING_JSON "
                                  "(`attention-monitor keyring new` makes one)")
+
+    def instance(self) -> str:
+        """This instance's stable name: its state file, transactional id and group
+        instance id."""
+        return f"{self.group_id}-{self.client_id}-{socket.gethostname()}".replace(os.sep, "_")
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,

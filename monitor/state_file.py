@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,6 @@ class StateFile:
     def __init__(self, folder: Path, instance: str):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"reference-{instance.replace(os.sep, '_')}.json"
-
-    @classmethod
-    def for_instance(cls, folder: Path, group_id: str, client_id: str) -> StateFile:
-        return cls(folder, f"{group_id}-{client_id}-{socket.gethostname()}")
 
     def load(self, config: DetectorConfig) -> dict[str, Any] | None:
         """The saved state, if there is one a detector with ``config`` can merge."""

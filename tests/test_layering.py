@@ -17,13 +17,14 @@ ALLOWED_THIRD_PARTY = {"numpy"}
 #: lowest first; a unit is a module, or a whole package for the folders named here
 RANKS: list[set[str]] = [
     {"core"},
-    {"routing", "errors", "records", "topics", "memory"},
+    {"routing", "errors", "records", "topics", "memory", "health"},
     {"wire", "schema", "model_contract", "references"},
     {"access", "deadletter", "checkpoint", "exporter", "http", "ring", "state_file", "assignment"},
     {"codec"},
     {"settings", "measure"},
     {"measuring", "broker"},
     {"pipeline", "producer"},
+    {"delivery"},
     {"service"},
     {"tools", "integrations"},
     {"cli"},

@@ -14,7 +14,6 @@ import pytest
 from kafka import KafkaAdminClient
 
 from devstack.process import free_port
-from devstack.wait import wait_for
 from monitor.topics import DEFAULT, layout
 from tests.service.harness import Monitor, series
 
@@ -64,10 +63,10 @@ def test_the_readme_first_run_works_as_written(kafka_broker, tmp_path):
                                        capture_output=True, text=True, timeout=60, check=False)
             assert published.returncode == 0, published.stderr
             traced = series("attention_traces_total", layer="0", model="my-model", revision="weights-sha256-abc")
-            wait_for(lambda: monitor.value(traced) == 1, timeout=60, what="the README's trace measured")
+            monitor.wait_until(lambda: monitor.value(traced) == 1, timeout=60, what="the README's trace measured")
             joined = series("attention_trace_outcomes_total", layer="0", model="my-model", outcome="success",
                             revision="weights-sha256-abc")
-            wait_for(lambda: monitor.value(joined) == 1, timeout=60, what="the README's outcome joined")
+            monitor.wait_until(lambda: monitor.value(joined) == 1, timeout=60, what="the README's outcome joined")
             rejected = {k: v for k, v in monitor.metrics().items() if "traces_rejected_total" in k and v}
             assert not rejected
         finally:

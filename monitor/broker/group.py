@@ -1,9 +1,12 @@
-"""The consumer group member: ``subscribe``, ``poll``, ``seek``, ``commit``, ``close``.
+"""The consumer group member: ``subscribe``, ``poll``, ``seek``, ``lag``, ``close``.
 
 kafka-python 3.0 runs rebalance listeners on its IO thread, so the listener here blocks
-on nothing: it records what changed, and the service acts on it between polls. Commits
-are always synchronous, from the service's own thread, after a batch's outputs are
-flushed.
+on nothing: it records what changed, and the service acts on it between polls. Offsets
+are committed with the outputs, in the output producer's transaction, using this
+member's :meth:`GroupConsumer.group_metadata`.
+
+Static membership (``group_instance_id``): a member that restarts within the session
+timeout gets its partitions back without a rebalance.
 """
 
 from __future__ import annotations
@@ -13,16 +16,10 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import (
-    CommitFailedError,
-    IllegalGenerationError,
-    KafkaError,
-    RebalanceInProgressError,
-    UnknownMemberIdError,
-)
+from kafka.errors import KafkaError
 
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
@@ -57,13 +54,16 @@ class _Changes(ConsumerRebalanceListener):  # type: ignore[misc]
 
 class GroupConsumer:
     def __init__(self, kafka_config: dict[str, Any], group_id: str, topics: Sequence[str], *,
-                 max_records: int, max_partition_fetch_bytes: int):
+                 max_records: int, max_partition_fetch_bytes: int, group_instance_id: str | None = None,
+                 session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000):
         self.topics = list(topics)
         self.changes = _Changes()
         self.positions: dict[TP, int] = {}
         try:
             self._consumer = KafkaConsumer(
                 group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+                group_instance_id=group_instance_id, session_timeout_ms=session_timeout_ms,
+                heartbeat_interval_ms=heartbeat_interval_ms,
                 # Range assigns partition i of every subscribed topic to the same member:
                 # a trace and its outcome (same key, same partition number) meet in one
                 # instance. (The sticky assignors do not co-partition.) Range is eager:
@@ -96,7 +96,7 @@ class GroupConsumer:
             batches = self._consumer.poll(timeout_ms=timeout_ms)
         except KafkaError as exc:
             raise infrastructure_error("poll failed", exc) from exc
-        records = [Record(r.topic, r.partition, r.offset, r.key, r.value)
+        records = [Record(r.topic, r.partition, r.offset, r.key, r.value, (r.timestamp or 0) / 1000)
                    for tp in sorted(batches, key=lambda t: (t.topic, t.partition)) for r in batches[tp]]
         return records
 
@@ -113,18 +113,9 @@ class GroupConsumer:
         for tp in partitions:
             self.positions.pop(tp, None)
 
-    def commit(self, offsets: dict[TP, int]) -> None:
-        if not offsets:
-            return
-        payload = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
-        try:
-            self._consumer.commit(payload)
-        except (CommitFailedError, RebalanceInProgressError, IllegalGenerationError, UnknownMemberIdError) as exc:
-            # The group moved on: these partitions are being reassigned and their new
-            # owner resumes from the previous commit. Nothing is lost; skip this commit.
-            log.warning("commit skipped during a rebalance: %s", type(exc).__name__)
-        except KafkaError as exc:
-            raise infrastructure_error("commit failed", exc) from exc
+    def group_metadata(self) -> Any:
+        """What a transaction needs to commit this member's offsets (KIP-447)."""
+        return self._consumer.group_metadata()
 
     def committed(self, partitions: Iterable[TP]) -> dict[TP, int]:
         out = {}
@@ -136,15 +127,17 @@ class GroupConsumer:
             out[(topic, partition)] = offset or 0
         return out
 
-    def lag(self, topic: str) -> int:
-        total = 0
-        for tp in self._consumer.assignment():
-            if tp.topic != topic:
-                continue
-            high = self._consumer.highwater(tp)
-            if high is not None:
-                total += max(0, high - self.positions.get((tp.topic, tp.partition), high))
-        return total
+    def lag(self, topic: str, timeout_ms: int = 5_000) -> int:
+        """Records behind the end of the assigned partitions of ``topic``, asking the
+        broker for the end offsets (raises when it cannot be asked)."""
+        tps = [tp for tp in self._consumer.assignment() if tp.topic == topic]
+        if not tps:
+            return 0
+        try:
+            end = self._consumer.end_offsets(tps, timeout_ms=timeout_ms)
+        except KafkaError as exc:
+            raise infrastructure_error("cannot read end offsets", exc) from exc
+        return sum(max(0, end[tp] - self.positions.get((tp.topic, tp.partition), end[tp])) for tp in tps)
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

@@ -1,41 +1,103 @@
-"""Writes the monitor's outputs (anomaly and dead-letter records)."""
+"""Writes the monitor's outputs and commits the offsets they came from, together.
+
+Every batch is one Kafka transaction: its outputs (anomaly, incident and dead-letter
+records) and the consumer offsets it allows to commit are sent, then committed at once,
+so a crash or a broker outage leaves either both or neither. Readers of the outputs use
+``isolation_level="read_committed"``. The offsets go with the consumer's group metadata
+(KIP-447): after a rebalance an old owner's commit is refused by the broker instead of
+overwriting the new owner's progress.
+
+A transaction that fails (a broker outage longer than the delivery timeout, a coordinator
+moving) is aborted and tried again with the same outputs and offsets, so nothing is lost
+and nothing is written twice; every failure is counted and logged. Only a fatal error
+(another producer fenced this one, or the group moved on) ends the attempt.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka import KafkaProducer, OffsetAndMetadata, TopicPartition
+from kafka.errors import (
+    CommitFailedError,
+    IllegalGenerationError,
+    KafkaError,
+    ProducerFencedError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+)
 
 from monitor.broker.errors import infrastructure_error
+from monitor.errors import InfrastructureError
 from monitor.records import Output
+
+log = logging.getLogger(__name__)
+TP = tuple[str, int]
+#: errors that say the group moved on: these partitions are someone else's now
+REASSIGNED = (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError)
+
+
+class GroupMovedOn(InfrastructureError):
+    """The group rebalanced while the batch was in flight; its offsets belong to a new
+    owner, which re-reads the records. Nothing was committed."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"the group moved on: {detail}", retriable=True)
 
 
 class OutputProducer:
-    """Sends outputs with ``acks=all``; :meth:`flush` raises if any send failed."""
-
-    def __init__(self, kafka_config: dict[str, Any]):
+    def __init__(self, kafka_config: dict[str, Any], transactional_id: str, *, delivery_timeout_ms: int = 120_000,
+                 on_failure: Callable[[str], None] = lambda reason: None):
+        """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
+        ``group_moved`` or ``fenced``."""
+        self._on_failure = on_failure
         try:
-            self._producer = KafkaProducer(acks="all", linger_ms=5, **kafka_config)
+            self._producer = KafkaProducer(
+                acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
+                delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms),
+                transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **kafka_config)
+            self._producer.init_transactions()
         except KafkaError as exc:
-            raise infrastructure_error("cannot create the output producer", exc) from exc
-        self._futures: list[Any] = []
+            raise infrastructure_error("cannot start the transactional output producer", exc) from exc
 
-    def send(self, outputs: Iterable[Output]) -> None:
-        for out in outputs:
-            self._futures.append(self._producer.send(out.topic, key=out.key, value=out.value))
-
-    def flush(self, timeout_s: float = 30.0) -> None:
-        futures, self._futures = self._futures, []
+    def commit(self, outputs: Iterable[Output], offsets: dict[TP, int], group: Any) -> None:
+        """Write ``outputs`` and commit ``offsets`` for ``group`` (the consumer's group
+        metadata) in one transaction. Raises :class:`GroupMovedOn` when the group
+        rebalanced meanwhile (nothing committed), :class:`InfrastructureError` when it
+        could not commit (after aborting; retriable unless this producer was fenced)."""
         try:
-            self._producer.flush(timeout_s)
+            self._producer.begin_transaction()
+            futures = [self._producer.send(out.topic, key=out.key, value=out.value) for out in outputs]
+            if offsets:
+                self._producer.send_offsets_to_transaction(
+                    {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}, group)
+            self._producer.commit_transaction()
             for future in futures:
-                future.get(timeout=timeout_s)
+                future.get(timeout=0)  # delivered with the commit; raises if any was not
+        except ProducerFencedError as exc:
+            self._on_failure("fenced")
+            raise infrastructure_error("another monitor instance with the same transactional id took over", exc) \
+                from exc
+        except REASSIGNED as exc:
+            self._abort("group_moved", type(exc).__name__)
+            raise GroupMovedOn(type(exc).__name__) from exc
         except KafkaError as exc:
-            raise infrastructure_error("writing outputs failed", exc) from exc
+            self._abort("aborted", type(exc).__name__)
+            raise InfrastructureError(f"writing outputs failed, transaction aborted: {type(exc).__name__}: {exc}",
+                                      retriable=True) from exc
+
+    def _abort(self, reason: str, error: str) -> None:
+        self._on_failure(reason)
+        log.warning("output transaction failed (%s): aborting it; its outputs and offsets will be sent again", error)
+        started = time.monotonic()
+        try:
+            self._producer.abort_transaction()
+        except KafkaError as exc:
+            log.warning("aborting the transaction failed too (%s) after %.1f s", type(exc).__name__,
+                        time.monotonic() - started)
 
     def close(self) -> None:
         self._producer.close()
-
-

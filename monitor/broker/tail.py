@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
@@ -26,7 +27,9 @@ def read_tail(kafka_config: dict[str, Any], topics: Iterable[str], tail: int,
     out: list[dict[str, Any]] = []
     consumer = None
     try:
-        consumer = KafkaConsumer(enable_auto_commit=False, group_id=None, **kafka_config)
+        # only what committed transactions wrote: an aborted batch's outputs were never written
+        consumer = KafkaConsumer(enable_auto_commit=False, group_id=None, isolation_level="read_committed",
+                                 **kafka_config)
         tps = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t) or ())]
         if not tps:
             return out
@@ -54,16 +57,31 @@ def read_tail(kafka_config: dict[str, Any], topics: Iterable[str], tail: int,
     return out
 
 
-def emitted_sources(kafka_config: dict[str, Any], topics: Iterable[str], partitions: set[TP],
-                    since: dict[TP, int], tail: int) -> set[Source]:
-    """Sources (topic, partition, offset) of outputs already written for ``partitions``
-    at or after ``since``, found in the last ``tail`` records of each output partition."""
-    found: set[Source] = set()
+@dataclass(frozen=True)
+class Written:
+    """What the committed outputs say about some partitions."""
+
+    sources: set[Source]  #: records at or after the committed offsets whose outputs are written
+    trace_ids: list[str]  #: trace ids of those partitions' outputs, oldest first
+
+
+def read_back(kafka_config: dict[str, Any], topics: Iterable[str], partitions: set[TP], since: dict[TP, int],
+              tail: int) -> Written:
+    """The last ``tail`` committed records of each output partition, for the trace
+    ``partitions`` a new owner takes: the sources at or after ``since`` (not to be written
+    again) and every trace id written for them (so a trace sent again is a duplicate)."""
+    sources: set[Source] = set()
+    trace_ids: list[str] = []
     for doc in read_tail(kafka_config, topics, tail):
         source = _source(doc)
-        if source and (source[0], source[1]) in partitions and source[2] >= since.get(source[:2], 0):
-            found.add(source)
-    return found
+        if not source or (source[0], source[1]) not in partitions:
+            continue
+        if source[2] >= since.get(source[:2], 0):
+            sources.add(source)
+        trace_id = doc.get("trace_id") or (doc.get("verified_header") or {}).get("trace_id")
+        if isinstance(trace_id, str):
+            trace_ids.append(trace_id)
+    return Written(sources, trace_ids)
 
 
 def _source(doc: dict[str, Any]) -> Source | None:

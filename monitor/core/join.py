@@ -1,8 +1,11 @@
 """Joining traces to task outcomes by request id, in either arrival order.
 
-Traces wait for their outcome at most ``ttl`` seconds, then leave with outcome
-``missing``; outcomes wait ``ttl`` seconds for traces (a request has a trace per traced
-layer, so an outcome stays to meet them all). The buffer holds at most ``max_entries``
+Times are *event* times (when the record was produced, not when it was read): a trace
+waits for its outcome until the caller's clock passes its time plus ``ttl``, then leaves
+with outcome ``missing``; an outcome waits as long for traces (a request has a trace per
+traced layer, so an outcome stays to meet them all). Adding never expires anything: only
+:meth:`JoinBuffer.expire`, with a watermark the caller trusts, does — so a backlog whose
+outcomes are read far ahead of their traces joins as live traffic would. The buffer holds at most ``max_entries``
 traces plus outcomes: beyond that the oldest entry is evicted (a trace leaves with
 ``missing``), and evictions are counted by cause (``ttl``, ``capacity``).
 
@@ -124,7 +127,7 @@ class JoinBuffer(Generic[T]):
                        (entry.offset, self._seq))
 
     def _make_room(self, now: float) -> list[Joined[T]]:
-        out = self.expire(now)
+        out: list[Joined[T]] = []
         while len(self._entries) >= self.max_entries:
             out += self._evict(next(iter(self._entries)), "capacity")
         return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devstack.wait import wait_for
 from monitor.integrations.transformers import attach
 from monitor.producer import Scope, TraceProducer
 from tests.factories import KEY_ID, SECRET
@@ -45,11 +44,13 @@ def test_minilm_traces_reach_the_monitor_and_every_layer_is_measured(kafka_broke
         assert (counts.sampled, counts.published, counts.dropped, counts.failed) == (36, 36, 0, 0)
         labels = {"model": "all-MiniLM-L6-v2", "revision": contract.model_revision}
         for layer in range(6):
-            wait_for(lambda layer=layer: monitor.value(series("attention_traces_total", layer=str(layer), **labels))
-                     == len(SENTENCES), timeout=60, what=f"layer {layer} measured")
+            monitor.wait_until(lambda layer=layer: monitor.value(series("attention_traces_total", layer=str(layer),
+                                                                        **labels)) == len(SENTENCES),
+                               timeout=60, what=f"layer {layer} measured")
             assert monitor.value(series("attention_layer_diversity_count", layer=str(layer), **labels)) == 6
-        wait_for(lambda: monitor.value(series("attention_trace_outcomes_total", layer="0", outcome="failure",
-                                              **labels)) == 3, timeout=60, what="outcomes joined")
+        monitor.wait_until(lambda: monitor.value(series("attention_trace_outcomes_total", layer="0",
+                                                        outcome="failure", **labels)) == 3,
+                           timeout=60, what="outcomes joined")
         rejected = {k: v for k, v in monitor.metrics().items() if "traces_rejected_total" in k and v}
         assert not rejected
     finally:

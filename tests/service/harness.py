@@ -100,6 +100,18 @@ class Monitor:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
+    def wait_until(self, probe, *, timeout: float, what: str):
+        """:func:`wait_for`, and on failure the monitor's own log lines and nonzero
+        rejection counters in the message (what a failing run on CI needs)."""
+        try:
+            return wait_for(probe, timeout=timeout, what=what)
+        except AssertionError as exc:
+            lines = [line for line in self.process.log_path.read_text(errors="replace").splitlines()
+                     if " kafka." not in line][-25:]
+            rejected = {k: v for k, v in self.metrics().items() if "rejected" in k and v} if self.process.alive() \
+                else "(monitor not running)"
+            raise AssertionError(f"{exc}\nrejected: {rejected}\nmonitor log:\n" + "\n".join(lines)) from exc
+
     def value(self, name: str) -> float:
         try:
             return self.metrics().get(name, 0.0)
@@ -138,7 +150,8 @@ class OutputReader:
 
     def __init__(self, bootstrap: str, *topics: str):
         self.consumer = KafkaConsumer(*topics, bootstrap_servers=bootstrap, group_id=None,
-                                      auto_offset_reset="earliest", enable_auto_commit=False)
+                                      auto_offset_reset="earliest", enable_auto_commit=False,
+                                      isolation_level="read_committed")
         self.records: dict[str, list[dict[str, Any]]] = {t: [] for t in topics}
 
     def poll(self) -> dict[str, list[dict[str, Any]]]:

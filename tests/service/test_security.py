@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from devstack.kafka import create_scram_user, grant
+from devstack.kafka import create_scram_user
 from devstack.wait import wait_for
+from monitor.broker.acls import apply_acls
 from tests.service.harness import Monitor, make_topics, monitor_env
 
 pytestmark = pytest.mark.kafka
@@ -25,12 +26,7 @@ def test_missing_acls_end_the_monitor_with_a_clear_reason_and_granted_acls_let_i
     assert f"topic {topics.contracts} does not exist or this principal may not describe it" in \
         denied.process.log_path.read_text()
 
-    grant(scram_admin, user, topics={
-        topics.contracts: ["READ", "DESCRIBE"], topics.references: ["READ", "DESCRIBE"],
-        topics.traces: ["READ", "DESCRIBE"],
-        topics.outcomes: ["READ", "DESCRIBE"],
-        topics.anomalies: ["READ", "WRITE", "DESCRIBE"], topics.dead_letter: ["READ", "WRITE", "DESCRIBE"],
-    }, groups={group: ["READ"]})
+    assert apply_acls(scram_broker.client_config(), f"User:{user}", "monitor", topics, group) == 17
     allowed = Monitor(env, tmp_path / "allowed.log", "allowed")
     try:
         allowed.wait_ready(timeout=60)
