@@ -118,6 +118,10 @@ def decode(
         if not scopes.permits(header.scope):
             raise TraceRejected(RejectReason.SCOPE_DENIED,
                                 f"scope {header.scope.tenant}:{header.scope.data_class} is not allowed here")
+        key = keyring.key(frame.key_id)
+        if key is not None and not key.may_sign(header.scope.tenant):
+            raise TraceRejected(RejectReason.SCOPE_DENIED,
+                                f"key {frame.key_id!r} may not sign traces of tenant {header.scope.tenant!r}")
         contract, layer = _contract(header, contracts)
         valid = valid_keys(header)
         if check_values:

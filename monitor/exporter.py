@@ -28,6 +28,7 @@ from monitor.core.detect import KINDS, Verdict
 from monitor.core.incidents import FAMILIES
 from monitor.core.join import MISSING
 from monitor.errors import RejectReason
+from monitor.model_contract import ContractTable
 from monitor.schema import OUTCOMES as OUTCOME_WORDS
 
 UNIT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -132,6 +133,14 @@ class MonitorMetrics:
         self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
                                 registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
+        self.contracts_refused = Counter(f"{s}contracts_refused", "Contract records refused, by reason (unsigned, "
+                                         "unknown_key, not_allowed, bad_signature, id_mismatch, malformed).",
+                                         ["reason"], registry=r)
+        self.contracts_evicted = Counter(f"{s}contracts_evicted", "Contracts dropped beyond MAX_CONTRACTS.",
+                                         registry=r)
+        self._contract_counts: dict[str, int] = {}
+        for reason in ("unsigned", "unknown_key", "not_allowed", "bad_signature", "id_mismatch", "malformed"):
+            self.contracts_refused.labels(reason)
         self.commits = Counter(f"{s}commits", "Transactions committing a batch's outputs with its offsets.",
                                registry=r)
         self.output_failures = Counter(f"{s}output_failures", "Output transactions that failed, by reason "
@@ -146,6 +155,15 @@ class MonitorMetrics:
         for rejected in RejectReason:  # a closed set: every reason exists from the start, at 0
             self.rejected.labels(rejected.value)
         self.outcomes_rejected.labels(RejectReason.MALFORMED.value)
+
+    def observe_contracts(self, table: ContractTable) -> None:
+        """The contract table's size, and what it refused or evicted since last asked."""
+        self.contracts.set(len(table))
+        for reason, count in [*table.refusals.items(), ("evicted", table.evicted)]:
+            new = count - self._contract_counts.get(reason, 0)
+            if new > 0:
+                (self.contracts_evicted if reason == "evicted" else self.contracts_refused.labels(reason)).inc(new)
+                self._contract_counts[reason] = count
 
     def trace_processed(self, now: float) -> None:
         """Set the last-trace timestamp (the series exists from the first trace on)."""

@@ -211,7 +211,7 @@ class Measurer:
                 log.info("%s %s pinned to the reference of %s (by %s)", d.model_id, d.revision, d.reference, d.by)
 
     def set_contracts(self, contracts: list[ModelContract]) -> None:
-        table = ContractTable()
+        table = ContractTable(max_contracts=max(len(contracts), 1))  # verified by the service already
         for contract in contracts:
             table.add(contract)
         self.contracts = table

@@ -3,13 +3,18 @@
 Traces name it by ``contract_id``, the content identity
 ``attention-model-contract@sha256:…`` of its canonical serialization (the scheme of
 :mod:`monitor.core.identity`, shared with the routing audit). Published on the
-compacted topic ``attention-contracts`` keyed by that id.
+compacted topic ``attention-contracts`` keyed by that id, signed by a key the monitor's
+keyring allows to publish contracts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+from collections import Counter
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any, Literal
 
@@ -79,18 +84,37 @@ class ModelContract(BaseModel):
         return None
 
 
+def contract_signature(contract_id: str, secret: bytes) -> str:
+    """HMAC-SHA256 (hex) of a contract's content id under a key: the id is recomputed from
+    the content, so signing it signs the content."""
+    return hmac.new(secret, b"attention-model-contract\0" + contract_id.encode(), hashlib.sha256).hexdigest()
+
+
+#: (key id, signature, contract id) → why the record is refused, or None to accept it
+Verifier = Callable[[str | None, str | None, str], str | None]
+
+
 class ContractTable:
     """Model contracts by id, fed from the compacted ``attention-contracts`` topic.
 
-    A record's value is ``{"contract": {...}}`` (or the contract itself) and its key the
-    contract id; the id is recomputed from the content and a record whose id does not
-    match is refused. A tombstone (no value) removes the contract.
+    A record's value is ``{"contract_id", "contract", "key_id", "signature"}`` and its key
+    the contract id; the id is recomputed from the content and a record whose id does not
+    match is refused, as is one the ``verify`` callable refuses (a signature by a key not
+    allowed to publish contracts). A tombstone (no value) removes the contract. At most
+    ``max_contracts`` are kept: beyond, the oldest goes (counted in ``evicted``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, verify: Verifier | None = None, max_contracts: int = 1000):
         self._contracts: dict[str, ModelContract] = {}
-        self.refused = 0
+        self._verify = verify
+        self.max_contracts = max_contracts
+        self.refusals: Counter[str] = Counter()
+        self.evicted = 0
         self.version = 0  #: changes whenever a contract is added or removed
+
+    @property
+    def refused(self) -> int:
+        return sum(self.refusals.values())
 
     def __len__(self) -> int:
         return len(self._contracts)
@@ -102,14 +126,18 @@ class ContractTable:
         return list(self._contracts.values())
 
     def add(self, contract: ModelContract) -> None:
+        self._contracts.pop(contract.contract_id, None)
         self._contracts[contract.contract_id] = contract
+        while len(self._contracts) > self.max_contracts:
+            del self._contracts[next(iter(self._contracts))]
+            self.evicted += 1
         self.version += 1
 
     def apply(self, key: bytes | None, value: bytes | None) -> str | None:
         """Apply one record; returns the contract id it added or removed, or None if refused."""
         if value is None:
             if key is None:
-                self.refused += 1
+                self.refusals["malformed"] += 1
                 return None
             contract_id = key.decode("utf-8", "replace")
             if self._contracts.pop(contract_id, None) is not None:
@@ -119,16 +147,25 @@ class ContractTable:
             doc = json.loads(value)
             contract = ModelContract.model_validate(doc.get("contract", doc) if isinstance(doc, dict) else doc)
         except (ValueError, TypeError):
-            self.refused += 1
+            self.refusals["malformed"] += 1
             return None
         if key is not None and key.decode("utf-8", "replace") != contract.contract_id:
-            self.refused += 1
+            self.refusals["id_mismatch"] += 1
             return None
+        if self._verify is not None:
+            key_id, signature = doc.get("key_id"), doc.get("signature")
+            why = self._verify(key_id if isinstance(key_id, str) else None,
+                               signature if isinstance(signature, str) else None, contract.contract_id)
+            if why is not None:
+                self.refusals[why] += 1
+                return None
         self.add(contract)
         return contract.contract_id
 
     @staticmethod
-    def record(contract: ModelContract) -> tuple[bytes, bytes]:
-        """The (key, value) to publish a contract with."""
-        value = json.dumps({"contract_id": contract.contract_id, "contract": contract.canonical()})
-        return contract.contract_id.encode(), value.encode()
+    def record(contract: ModelContract, key_id: str | None = None, secret: bytes | None = None) -> tuple[bytes, bytes]:
+        """The (key, value) to publish a contract with, signed when a key is given."""
+        doc: dict[str, Any] = {"contract_id": contract.contract_id, "contract": contract.canonical()}
+        if key_id is not None and secret is not None:
+            doc |= {"key_id": key_id, "signature": contract_signature(contract.contract_id, secret)}
+        return contract.contract_id.encode(), json.dumps(doc).encode()

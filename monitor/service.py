@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from monitor.access import contract_verifier
 from monitor.assignment import Assignment
 from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
@@ -67,7 +68,7 @@ class Service:
         self.metrics = MonitorMetrics(self.registry, detail_level=settings.detail_level,
                                       max_model_revisions=settings.max_model_revisions,
                                       model_allowlist=settings.model_allowlist)
-        self.contracts = ContractTable()
+        self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
@@ -97,8 +98,10 @@ class Service:
             if s.reuse_freed_memory:
                 reuse_freed_memory()
             detector = s.detector()
+            keyring = s.keyring()
+            self.contracts = ContractTable(contract_verifier(keyring), s.max_contracts)
             state = None if self.state_file is None else self.state_file.load(detector)
-            spec = MeasurerSpec(s.keyring(), s.scopes(), s.limits(), detector, s.dedupe_window, state,
+            spec = MeasurerSpec(keyring, s.scopes(), s.limits(), detector, s.dedupe_window, state,
                                 logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
             measuring = start_measuring(spec, s.measure_processes)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
@@ -175,7 +178,7 @@ class Service:
             running.append(pipeline.process(records))
             while len(running) > s.batches_in_flight or (running and running[0].done()):
                 delivery.complete(running.popleft().result())
-            self.metrics.contracts.set(len(self.contracts))
+            self.metrics.observe_contracts(self.contracts)
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)

@@ -54,7 +54,9 @@ class Settings(BaseSettings):
     # Access
     keyring_file: Path | None = None
     keyring_json: SecretStr | None = Field(None, description='inline keyring: {"key-id": "secret"}')
-    allowed_scopes: CommaList = Field(default_factory=lambda: ["*:*"], description="tenant:data_class, comma-separated")
+    allowed_scopes: CommaList = Field(default_factory=list, description="tenant:data_class pairs this monitor may "
+                                      "process, comma-separated (required; * matches any)")
+    max_contracts: int = Field(1000, gt=0, description="model contracts kept; beyond, the oldest goes (counted)")
     max_record_bytes: int = Field(Limits.max_record_bytes, gt=0)
     max_heads: int = Field(Limits.max_heads, gt=0)
     max_rows: int = Field(Limits.max_rows, gt=0)
@@ -129,6 +131,9 @@ class Settings(BaseSettings):
                       self.dead_letter_topic, self.references_topic)
 
     def scopes(self) -> ScopePolicy:
+        if not self.allowed_scopes:
+            raise ConfigurationError("no ALLOWED_SCOPES: set ATTENTION_MONITOR_ALLOWED_SCOPES to the tenant:data_class "
+                                     "pairs this monitor may process (e.g. team-a:internal; * matches any)")
         return ScopePolicy.parse(self.allowed_scopes)
 
     def limits(self) -> Limits:

@@ -13,6 +13,7 @@ runner = CliRunner()
 
 def test_check_config_masks_secrets(monkeypatch):
     monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
     monkeypatch.setenv("ATTENTION_MONITOR_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
     monkeypatch.setenv("ATTENTION_MONITOR_SASL_USERNAME", "monitor")
     monkeypatch.setenv("ATTENTION_MONITOR_SASL_PASSWORD", "hunter2-password")
@@ -20,10 +21,25 @@ def test_check_config_masks_secrets(monkeypatch):
     assert result.exit_code == 0, result.output
     assert "a-very-secret-value" not in result.output and "hunter2" not in result.output
     assert "sasl_password=**********" in result.output and "configuration ok" in result.output
+    assert "warning: key k is a bare secret: it may sign any tenant" in result.output
+
+
+def test_check_config_wants_scopes_and_reads_tenant_bound_keys(monkeypatch):
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": {"secret": "a-very-secret-value-123", '
+                       '"tenants": ["team-a"], "contracts": true}}')
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 1 and "no ALLOWED_SCOPES" in result.output  # no wildcard by default
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": {"secret": "a-very-secret-value-123"}}')
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 1 and "must be {\"secret\"" in result.output
 
 
 def test_check_config_reports_bad_settings(monkeypatch):
     monkeypatch.setenv("ATTENTION_MONITOR_REFERENCE_PINS", "no-at-sign")
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
     monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
     result = runner.invoke(app, ["check-config"])
     assert result.exit_code == 1 and "model@revision=reference_revision" in result.output

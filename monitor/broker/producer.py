@@ -48,11 +48,13 @@ class TraceProducer:
         self._producer = KafkaProducer(**kafka_config)
 
     def publish_contract(self, contract: ModelContract) -> Any:
-        """Publish a model contract on the compacted contracts topic, keyed by its id.
+        """Publish a model contract on the compacted contracts topic, keyed by its id and
+        signed with this producer's key (which the monitor's keyring must allow to
+        publish contracts).
         The monitor refuses traces of a contract it does not know (``unknown_contract``):
         wait for the returned future (``.get()``) before sending the contract's first
         traces, and the monitor finds it whatever the timing."""
-        key, value = ContractTable.record(contract)
+        key, value = ContractTable.record(contract, self._key_id, self._secret)
         return self._producer.send(self.topics.contracts, key=key, value=value)
 
     def send(self, header: TraceHeader, weights: NDArray[np.generic]) -> Any:

@@ -51,17 +51,22 @@ def keyring_new(
     path: Annotated[Path, typer.Argument(help="the keyring file to write (refused if it exists)")],
     key_id: Annotated[list[str], typer.Option("--key-id", help="a key id (repeatable), e.g. the team or server "
                                               "that signs with it")],
+    tenant: Annotated[list[str] | None, typer.Option("--tenant", help="a tenant the keys may sign traces of "
+                                                     "(repeatable; default: each key's own id)")] = None,
+    contracts: Annotated[bool, typer.Option(help="the keys may publish model contracts")] = True,
 ) -> None:
     """Write a new keyring: one random 32-byte secret per key id, as JSON, readable by
-    its owner only. Give the same file to the monitor (ATTENTION_MONITOR_KEYRING_FILE)
-    and to each signer its own key id and secret."""
+    its owner only. Each key may sign only its tenants' traces and, unless
+    --no-contracts, publish model contracts. Give the same file to the monitor
+    (ATTENTION_MONITOR_KEYRING_FILE) and to each signer its own key id and secret."""
     import os
     import secrets
 
     from monitor.access import Keyring
     from monitor.errors import ConfigurationError
 
-    doc = {kid: secrets.token_urlsafe(32) for kid in key_id}
+    doc = {kid: {"secret": secrets.token_urlsafe(32), "tenants": tenant or [kid], "contracts": contracts}
+           for kid in key_id}
     try:
         Keyring.from_json(json.dumps(doc))
     except ConfigurationError as exc:
@@ -75,7 +80,7 @@ def keyring_new(
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
-    typer.echo(f"wrote {path} with key ids {', '.join(doc)}")
+    typer.echo(f"wrote {path}: " + "; ".join(f"{k} signs tenants {', '.join(v['tenants'])}" for k, v in doc.items()))
 
 
 def _decide(target: str, action: str, reference: str | None, by: str | None) -> None:

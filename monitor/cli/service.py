@@ -153,12 +153,15 @@ def check_config() -> None:
     for name, value in settings.masked().items():
         typer.echo(f"{name}={value}")
     try:
-        settings.keyring()
+        keyring = settings.keyring()
         settings.scopes()
         settings.detector()
     except ConfigurationError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
+    for key_id in keyring.legacy:
+        typer.echo(f"warning: key {key_id} is a bare secret: it may sign any tenant and publish contracts; "
+                   "give it tenants (attention-monitor keyring new writes the form)")
     typer.echo("configuration ok")
 
 

@@ -37,7 +37,7 @@ def make_topics(make_topic, partitions: int = 2) -> Topics:
 def publish_contracts(bootstrap: str, topics: Topics, contracts=(CONTRACT,)) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap)
     for contract in contracts:
-        key, value = ContractTable.record(contract)
+        key, value = ContractTable.record(contract, KEY_ID, SECRET)
         producer.send(topics.contracts, key=key, value=value)
     producer.flush()
     producer.close()
