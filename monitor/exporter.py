@@ -68,10 +68,11 @@ class MonitorMetrics:
     """The monitor's metrics on one registry; the pipeline reports through it."""
 
     def __init__(self, registry: CollectorRegistry, *, detail_level: str = "layer", max_model_revisions: int = 20,
-                 model_allowlist: Iterable[str] = ()):
+                 model_allowlist: Iterable[str] = (), max_layer_series: int = 512):
         self.registry = registry
         self.per_head = detail_level == "head"
         self.guard = LabelGuard(max_model_revisions, frozenset(model_allowlist))
+        self.max_layer_series = max_layer_series
         layer = ["model", "revision", "layer"]
         r = registry
         self.traces = Counter("attention_traces", "Verified traces processed, per model revision and layer.", layer,
@@ -132,6 +133,10 @@ class MonitorMetrics:
         self._last_trace: Gauge | None = None  #: created by the first trace: absent until then
         self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
                                 registry=r)
+        self.references_evicted = Counter(f"{s}references_evicted", "References dropped beyond MAX_REFERENCES "
+                                          "(the one unused longest).", registry=r)
+        self.layer_overflow = Counter(f"{s}layer_overflow", "Traces whose layer label was replaced by 'other' "
+                                      "(beyond MAX_LAYER_SERIES layers across model revisions).", registry=r)
         self.contracts = Gauge(f"{s}contracts", "Model contracts known from the contracts topic.", registry=r)
         self.contracts_refused = Counter(f"{s}contracts_refused", "Contract records refused, by reason (unsigned, "
                                          "unknown_key, not_allowed, bad_signature, id_mismatch, malformed).",
@@ -147,7 +152,7 @@ class MonitorMetrics:
                                        "(aborted: sent again; group_moved; fenced).", ["reason"], registry=r)
         for reason in ("aborted", "group_moved", "fenced"):
             self.output_failures.labels(reason)
-        self._layers: dict[tuple[tuple[str, str], int], LayerSeries] = {}
+        self._layers: dict[tuple[tuple[str, str], int | str], LayerSeries] = {}
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):
@@ -177,10 +182,14 @@ class MonitorMetrics:
         guard), created at zero the first time it is asked for."""
         return self.layer_of(self.model_labels(model, revision), layer)
 
-    def layer_of(self, labels: tuple[str, str], layer: int) -> LayerSeries:
+    def layer_of(self, labels: tuple[str, str], layer: int | str) -> LayerSeries:
+        """Bounded: beyond ``max_layer_series`` layers, a new one is labelled ``other``."""
         key = (labels, layer)
         series = self._layers.get(key)
         if series is None:
+            if len(self._layers) >= self.max_layer_series and layer != OTHER:
+                self.layer_overflow.inc()
+                return self.layer_of(labels, OTHER)
             series = self._layers[key] = LayerSeries(self, labels, layer)
         return series
 
@@ -198,7 +207,7 @@ class LayerSeries:
     Every series of the layer exists from creation, at zero, so rates exist before the
     first event."""
 
-    def __init__(self, metrics: MonitorMetrics, labels: tuple[str, str], layer: int):
+    def __init__(self, metrics: MonitorMetrics, labels: tuple[str, str], layer: int | str):
         self.labels = labels
         key = (*labels, str(layer))
         self.traces = metrics.traces.labels(*key)

@@ -33,7 +33,7 @@ from monitor.core.join import JoinBuffer, Joined
 from monitor.core.policy import policy_fields
 from monitor.deadletter import dead_letter, encode_dead_letter
 from monitor.errors import RejectReason
-from monitor.exporter import MonitorMetrics
+from monitor.exporter import LayerSeries, MonitorMetrics
 from monitor.measure import Duplicate, Measured, Rejected, Result
 from monitor.measuring import Measuring, results
 from monitor.records import Output, Record, Source
@@ -61,8 +61,7 @@ class _Waiting:
     """What a measured trace leaves in the join buffer (never its weights)."""
 
     trace: dict[str, Any]
-    labels: tuple[str, str]
-    layer: int
+    series: LayerSeries
     anomalies: list[Anomaly] = field(default_factory=list)
 
 
@@ -154,6 +153,8 @@ class Pipeline:
         series.observe_trace(result.heads, result.entropy, result.concentration, result.sink_share,
                              result.diversity, result.effective_heads)
         series.observe_verdict(result.verdict)
+        if result.verdict.evicted:
+            self.metrics.references_evicted.inc(result.verdict.evicted)
         for anomaly in result.anomalies:
             series.observe_anomaly(anomaly.kind)
         self.metrics.processing.observe(result.seconds)
@@ -165,7 +166,7 @@ class Pipeline:
             changes = self.incidents.observe(ident["model_id"], ident["model_revision"], ident["layer"],
                                              result.anomalies, records, self._clock(), now)
             outputs += self._incident_records(changes, record)
-        waiting = _Waiting(ident, series.labels, ident["layer"], result.anomalies)
+        waiting = _Waiting(ident, series, result.anomalies)
         at = self._event_time(record, "trace")
         joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, at)
         return outputs + self._emit(joined)
@@ -219,7 +220,7 @@ class Pipeline:
         out = []
         for item in joined:
             w = item.item
-            self.metrics.layer_of(w.labels, w.layer).observe_outcome(item.outcome, (a.kind for a in w.anomalies))
+            w.series.observe_outcome(item.outcome, (a.kind for a in w.anomalies))
             source = (self.topics.traces, item.partition, item.offset)
             with self._emitted_lock:
                 if source in self._emitted:

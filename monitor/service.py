@@ -67,7 +67,8 @@ class Service:
         self.topics = settings.topics()
         self.metrics = MonitorMetrics(self.registry, detail_level=settings.detail_level,
                                       max_model_revisions=settings.max_model_revisions,
-                                      model_allowlist=settings.model_allowlist)
+                                      model_allowlist=settings.model_allowlist,
+                                      max_layer_series=settings.max_layer_series)
         self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
         self.assignment = Assignment()

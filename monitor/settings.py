@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     detail_level: Literal["layer", "head"] = "layer"
     max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
     model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")
+    max_layer_series: int = Field(512, gt=0, description="distinct (model, revision, layer) label sets before "
+                                  "layer='other' (each layer costs 95 series; docs/metrics.md)")
+    max_references: int = Field(1024, gt=0, description="(model, revision, layer) references kept; beyond, the one "
+                                "unused longest goes (counted)")
 
     @field_validator("allowed_scopes", "reference_pins", "model_allowlist", mode="before")
     @classmethod
@@ -149,7 +153,8 @@ class Settings(BaseSettings):
                 raise ConfigurationError(f"reference pin {entry!r} must be model@revision=reference_revision")
             pins[(model, revision)] = reference
         return DetectorConfig(reference_traces=self.reference_traces, pool=self.reference_pool,
-                              false_alarm_arl=self.false_alarm_arl, min_effect=self.min_effect, pins=pins)
+                              false_alarm_arl=self.false_alarm_arl, min_effect=self.min_effect, pins=pins,
+                              max_references=self.max_references)
 
     def kafka_config(self) -> dict[str, Any]:
         """Connection keyword arguments for kafka-python clients."""

@@ -115,3 +115,14 @@ def test_series_per_model_revision_follow_the_documented_formula():
             assert series("head", layers, heads) == 95 * layers + 27 * layers * heads
     finally:
         prometheus_client.enable_created_metrics()
+
+
+def test_layers_beyond_the_cap_are_labelled_other_and_counted():
+    registry = CollectorRegistry()
+    metrics = MonitorMetrics(registry, max_layer_series=3)
+    for layer in range(10):  # a contract declaring many layers cannot grow the series without bound
+        metrics.layer("m", "r", layer).observe_trace(["h0"], [0.5], [0.5], [0.5], float("nan"), 1.0)
+    layers = {s.labels["layer"] for f in registry.collect() if f.name == "attention_traces" for s in f.samples}
+    assert layers == {"0", "1", "2", "other"}
+    assert registry.get_sample_value("attention_traces_total", {"model": "m", "revision": "r", "layer": "other"}) == 7
+    assert registry.get_sample_value("attention_monitor_layer_overflow_total") == 7

@@ -65,7 +65,8 @@ def keyring_new(
     from monitor.access import Keyring
     from monitor.errors import ConfigurationError
 
-    doc = {kid: {"secret": secrets.token_urlsafe(32), "tenants": tenant or [kid], "contracts": contracts}
+    tenants = {kid: tenant or [kid] for kid in key_id}
+    doc = {kid: {"secret": secrets.token_urlsafe(32), "tenants": tenants[kid], "contracts": contracts}
            for kid in key_id}
     try:
         Keyring.from_json(json.dumps(doc))
@@ -80,7 +81,7 @@ def keyring_new(
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
-    typer.echo(f"wrote {path}: " + "; ".join(f"{k} signs tenants {', '.join(v['tenants'])}" for k, v in doc.items()))
+    typer.echo(f"wrote {path}: " + "; ".join(f"{k} signs tenants {', '.join(t)}" for k, t in tenants.items()))
 
 
 def _decide(target: str, action: str, reference: str | None, by: str | None) -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,8 @@ class DetectorConfig:
     head_z: float = 3.0
     #: (model, revision) -> the revision whose reference judges it
     pins: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    #: references kept; beyond, the one unused longest goes (a flood of invented revisions stays bounded)
+    max_references: int = 1024
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Verdict:
     reference_traces: int  #: traces in the reference that judges this layer (or is learning to)
     ready: bool  #: that reference judges traces
     events: tuple[str, ...] = ()  #: worth a log line: a reference became ready, a pin took effect
+    evicted: int = 0  #: references dropped to keep at most ``max_references``
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,7 @@ class Detector:
 
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config or DetectorConfig()
-        self.references: dict[LayerKey, LengthReference] = {}
+        self.references: OrderedDict[LayerKey, LengthReference] = OrderedDict()  #: least recently used first
         self.decisions: dict[Revision, Decision] = {
             pair: Decision(reference, "settings", 0.0) for pair, reference in self.config.pins.items()}
         self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
@@ -208,9 +212,11 @@ class Detector:
         values = np.concatenate(([obs.diversity], obs.entropy, obs.concentration, obs.sink_share,
                                  head_similarity(obs.similarity)))
         own_key = (obs.model, obs.revision, obs.layer)
+        evicted = 0
         if judge_revision == obs.revision:
-            ref = self.references.get(own_key)
+            ref = self._use(own_key)
             if ref is None or ref.streams != values.size:
+                evicted = self._make_room()
                 ref = self.references[own_key] = LengthReference(values.size)
             if ref.traces < self.config.reference_traces:
                 ref.update(obs.key_count, values)
@@ -218,9 +224,9 @@ class Detector:
                     events.append(f"reference of {obs.model} {obs.revision} layer {obs.layer} ready "
                                   f"({ref.traces} traces)")
                 return Verdict([], None, True, ref.traces, ref.traces >= self.config.reference_traces,
-                               tuple(events))
+                               tuple(events), evicted)
         judge_key = (obs.model, judge_revision, obs.layer)
-        ref = self.references.get(judge_key)
+        ref = self._use(judge_key)
         count = 0 if ref is None else ref.traces
         if ref is None or ref.traces < self.config.reference_traces or ref.streams != values.size:
             if self._announce("waiting", own_key):
@@ -233,9 +239,27 @@ class Detector:
         anomalies = self._judge(own_key, ref, obs, values, h, judge_revision)
         return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events))
 
+    def _use(self, key: LayerKey) -> LengthReference | None:
+        ref = self.references.get(key)
+        if ref is not None:
+            self.references.move_to_end(key)
+        return ref
+
+    def _make_room(self) -> int:
+        """Drop the references unused longest until a new one fits; how many went."""
+        evicted = 0
+        while len(self.references) >= self.config.max_references:
+            key, _ = self.references.popitem(last=False)
+            self._cusum.pop(key, None)
+            self._announced = {a for a in self._announced if a[1] != key}
+            evicted += 1
+        return evicted
+
     def _announce(self, what: str, key: LayerKey) -> bool:
         if (what, key) in self._announced:
             return False
+        if len(self._announced) >= 4 * self.config.max_references:
+            self._announced.clear()  # bounded: at worst a pin is announced again
         self._announced.add((what, key))
         return True
 
@@ -259,6 +283,8 @@ class Detector:
         old = self._cusum.get(key)
         if old is None or old.shape != z.shape:
             old = np.zeros_like(z)
+            while len(self._cusum) >= 2 * self.config.max_references:
+                del self._cusum[next(iter(self._cusum))]
         s = np.maximum(0.0, old + np.minimum(z, c.clip) - self._k)
         s = np.where(seen, s, old)  # a stream this trace says nothing about waits
         thresholds = np.concatenate(([self._threshold(1)], np.full(3 * h, self._threshold(h)),
@@ -320,3 +346,5 @@ class Detector:
             mine_ref = self.references.get(key)
             self.references[key] = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
                                     else mine_ref.merge(other_ref))
+        while len(self.references) > self.config.max_references:
+            self.references.popitem(last=False)

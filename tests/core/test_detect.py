@@ -131,3 +131,17 @@ def test_state_merges_across_instances_and_an_old_state_is_refused():
     assert {ref.traces for ref in merged.references.values()} == {60}
     with pytest.raises(ValueError, match="version 1"):
         merged.merge_state({"references": []})
+
+
+def test_references_are_bounded_and_the_one_unused_longest_goes():
+    rng = np.random.default_rng(4)
+    detector = Detector(DetectorConfig(reference_traces=5, max_references=4))
+    verdicts = []
+    for revision in ("a", "b", "c"):  # 3 revisions x 4 layers, one request each
+        verdicts += [v for _, v in feed(detector, Scenario(revision=revision), rng, 1)]
+    assert len(detector.references) == 4
+    assert sum(v.evicted for v in verdicts) == 8
+    assert {k[1] for k in detector.references} == {"c"}  # the newest revision's layers
+    restored = Detector(DetectorConfig(max_references=2))
+    restored.merge_state(detector.state_dict())
+    assert len(restored.references) == 2
