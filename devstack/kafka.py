@@ -5,11 +5,10 @@ Profiles:
 ``plaintext``
     One PLAINTEXT client listener on 127.0.0.1.
 ``scram``
-    One SASL_PLAINTEXT listener with SCRAM-SHA-512, the StandardAuthorizer and
-    ``allow.everyone.if.no.acl.found=false`` (default deny). The broker itself talks
-    to its controller over a PLAINTEXT loopback listener, so it reaches it as
-    ``User:ANONYMOUS``, which is therefore a super user along with ``admin``.
-    The admin SCRAM credential is written at format time (``--add-scram``).
+    The production security of ``deploy/kafka/secure.properties``: SCRAM-SHA-512 on the
+    client listener, SASL/PLAIN with a static user on the controller listener, the
+    StandardAuthorizer with default deny, and no anonymous super user. The admin SCRAM
+    credential is written at format time (``--add-scram``).
 """
 
 from __future__ import annotations
@@ -31,8 +30,10 @@ POM = HERE / "pom.xml"
 LOG4J2 = HERE / "log4j2.properties"
 CACHE = Path(os.environ.get("ATTENTION_MONITOR_DEV_CACHE", Path.home() / ".cache" / "attention-monitor"))
 
+SECURE_PROPERTIES = HERE.parent / "deploy" / "kafka" / "secure.properties"
 ADMIN_USER = "admin"
 ADMIN_PASSWORD = "admin-secret"
+CONTROLLER_PASSWORD = "controller-secret"
 MECHANISM = "SCRAM-SHA-512"
 PROFILES = ("plaintext", "scram")
 
@@ -106,7 +107,6 @@ class KafkaBroker:
 
 
 def _server_properties(profile: str, port: int, controller_port: int, log_dir: Path) -> str:
-    client_protocol = "SASL_PLAINTEXT" if profile == "scram" else "PLAINTEXT"
     lines = [
         "process.roles=broker,controller",
         "node.id=1",
@@ -115,7 +115,6 @@ def _server_properties(profile: str, port: int, controller_port: int, log_dir: P
         f"advertised.listeners=CLIENT://127.0.0.1:{port}",
         "controller.listener.names=CONTROLLER",
         "inter.broker.listener.name=CLIENT",
-        f"listener.security.protocol.map=CLIENT:{client_protocol},CONTROLLER:PLAINTEXT",
         f"log.dirs={log_dir}",
         "num.partitions=1",
         "offsets.topic.replication.factor=1",
@@ -129,18 +128,10 @@ def _server_properties(profile: str, port: int, controller_port: int, log_dir: P
         "log.flush.interval.messages=1000000",
     ]
     if profile == "scram":
-        jaas = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required "
-            f'username="{ADMIN_USER}" password="{ADMIN_PASSWORD}";'
-        )
-        lines += [
-            f"sasl.enabled.mechanisms={MECHANISM}",
-            f"sasl.mechanism.inter.broker.protocol={MECHANISM}",
-            f"listener.name.client.{MECHANISM.lower()}.sasl.jaas.config={jaas}",
-            "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-            "allow.everyone.if.no.acl.found=false",
-            f"super.users=User:{ADMIN_USER};User:ANONYMOUS",
-        ]
+        lines.append(SECURE_PROPERTIES.read_text().replace("{admin_password}", ADMIN_PASSWORD)
+                     .replace("{controller_password}", CONTROLLER_PASSWORD))
+    else:
+        lines.append("listener.security.protocol.map=CLIENT:PLAINTEXT,CONTROLLER:PLAINTEXT")
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    sasl_password_file: Path | None = Field(None, description="read the SASL password from this file (a secret)")
     group_id: str = "attention-monitor"
     client_id: str = "attention-monitor"
     traces_topic: str = DEFAULT.traces
@@ -111,8 +112,9 @@ class Settings(BaseSettings):
             raise ValueError("metrics_tls_cert and metrics_tls_key go together")
         if (self.metrics_basic_auth_user is None) != (self.metrics_basic_auth_password is None):
             raise ValueError("metrics_basic_auth_user and metrics_basic_auth_password go together")
-        if self.security_protocol.startswith("SASL") and not (self.sasl_username and self.sasl_password):
-            raise ValueError("SASL needs sasl_username and sasl_password")
+        if self.security_protocol.startswith("SASL") and not (
+                self.sasl_username and (self.sasl_password or self.sasl_password_file)):
+            raise ValueError("SASL needs sasl_username and sasl_password (or sasl_password_file)")
         return self
 
     # --- derived plain values -----------------------------------------------------
@@ -161,10 +163,19 @@ class Settings(BaseSettings):
         config: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers.split(","),
                                   "security_protocol": self.security_protocol, "client_id": self.client_id}
         if self.security_protocol.startswith("SASL"):
-            assert self.sasl_password is not None
             config.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                          sasl_plain_password=self.sasl_password.get_secret_value())
+                          sasl_plain_password=self._sasl_password())
         return config
+
+    def _sasl_password(self) -> str:
+        if self.sasl_password is not None:
+            return self.sasl_password.get_secret_value()
+        assert self.sasl_password_file is not None
+        try:
+            return self.sasl_password_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read sasl_password_file {self.sasl_password_file}: "
+                                     f"{exc.strerror}") from exc
 
     def masked(self) -> dict[str, Any]:
         """Every setting, secrets shown as ``**********``."""

@@ -54,7 +54,8 @@ def test_compose_declares_the_stack():
     assert {"kafka", "prometheus", "alertmanager", "grafana", "monitor"} <= services.keys()
     kafka = services["kafka"]
     assert kafka["image"].startswith("apache/kafka:4.")
-    assert kafka["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
+    rendered = (REPO / "deploy" / "kafka" / "start.sh").read_text()
+    assert "process.roles=broker,controller" in rendered  # KRaft, no ZooKeeper
     assert "zookeeper" not in services
 
 
@@ -65,9 +66,27 @@ def test_compose_mounts_the_files_the_tests_use():
         assert (REPO / path).exists(), f"docker-compose.yml mounts {path}, which is not in the repository"
 
 
-def test_compose_creates_the_topics_with_the_monitors_own_command():
+def test_compose_creates_topics_and_acls_with_the_monitors_own_commands():
     services = _compose()["services"]
-    topics = services["kafka-topics"]
-    assert topics["image"] == services["monitor"]["image"]
-    assert topics["command"][:3] == ["attention-monitor", "topics", "create"]
-    assert services["monitor"]["depends_on"]["kafka-topics"]["condition"] == "service_completed_successfully"
+    init = services["kafka-init"]
+    assert init["image"] == services["monitor"]["image"]
+    script = " ".join(init["command"])
+    assert script.startswith("attention-monitor topics create")
+    for principal, role in (("monitor", "monitor"), ("model-server", "model-server"), ("operator", "operator")):
+        assert f"acls apply --principal User:{principal} --role {role}" in script
+    assert services["monitor"]["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
+
+
+def test_every_kafka_client_in_compose_authenticates_as_its_own_principal():
+    services = _compose()["services"]
+    users = {name: s["environment"].get("ATTENTION_MONITOR_SASL_USERNAME") for name, s in services.items()
+             if "ATTENTION_MONITOR_BOOTSTRAP_SERVERS" in s.get("environment", {})}
+    assert users == {"kafka-init": "admin", "monitor": "monitor", "demo-producer": "model-server"}
+    for name in users:
+        env = services[name]["environment"]
+        assert env["ATTENTION_MONITOR_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
+        secret = env["ATTENTION_MONITOR_SASL_PASSWORD_FILE"].removeprefix("/run/secrets/")
+        assert secret in services[name]["secrets"]
+    secure = [line for line in (REPO / "deploy" / "kafka" / "secure.properties").read_text().splitlines()
+              if not line.startswith("#")]
+    assert "allow.everyone.if.no.acl.found=false" in secure and "super.users=User:admin;User:controller" in secure

@@ -10,6 +10,7 @@ import typer
 
 from monitor.cli.app import (
     EXIT_USAGE,
+    acls_app,
     app,
     keyring_app,
     load_settings,
@@ -44,6 +45,29 @@ def topics_create(
         configs = " ".join(f"{k}={v}" for k, v in spec.configs.items())
         typer.echo(f"{spec.name}: {done.get(spec.name, 'exists')} ({spec.partitions} partitions{' ' if configs else ''}"
                    f"{configs})")
+
+
+@acls_app.command("apply")
+def acls_apply(
+    principal: Annotated[str, typer.Option(help="e.g. User:monitor")],
+    role: Annotated[str, typer.Option(help="monitor, model-server or operator")],
+) -> None:
+    """Create the ACLs a principal of the given role needs (and nothing more), on the
+    topics and group of these settings, as a principal allowed to alter ACLs (the
+    admin). The broker denies everything else (allow.everyone.if.no.acl.found=false)."""
+    from monitor.broker.acls import ROLES, apply_acls
+    from monitor.errors import InfrastructureError
+
+    if role not in ROLES or not principal.startswith("User:"):
+        typer.echo(f"error: --role must be one of {', '.join(ROLES)} and --principal User:<name>", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    settings = load_settings()
+    try:
+        count = apply_acls(settings.kafka_config(), principal, role, settings.topics(), settings.group_id)
+    except InfrastructureError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
+    typer.echo(f"{principal}: {count} ACLs of role {role}")
 
 
 @keyring_app.command("new")

@@ -33,6 +33,8 @@ app.add_typer(keyring_app, name="keyring")
 reference_app = typer.Typer(help="Which revision's reference judges a model revision: pins and promotions.",
                             no_args_is_help=True)
 app.add_typer(reference_app, name="reference")
+acls_app = typer.Typer(help="Kafka ACLs for the deployment's principals.", no_args_is_help=True)
+app.add_typer(acls_app, name="acls")
 
 EXIT_FAILED = ExitCode.FAILED
 EXIT_USAGE = ExitCode.USAGE
