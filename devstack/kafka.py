@@ -105,6 +105,14 @@ class KafkaBroker:
     def kill(self) -> None:
         self.process.kill()
 
+    def restart(self, timeout: float = 90.0) -> None:
+        """Start the broker again on the same ports and data (after :meth:`kill` or an
+        outage a test made), and wait until clients are answered."""
+        if self.process.alive():
+            raise ServiceError("the broker is still running")
+        self.process = ManagedProcess(self.process.name, self.process.argv, self.process.log_path)
+        wait_for(lambda: _lists_topics(self), timeout=timeout, what=f"kafka ({self.profile}) answering again")
+
 
 def _server_properties(profile: str, port: int, controller_port: int, log_dir: Path) -> str:
     lines = [

@@ -41,6 +41,7 @@ class Delivery:
         self.stopping = stopping
         self.save_state = save_state
         self.committed: dict[TP, int] = {}
+        self.rejoin_timeout_s = 60.0
 
     def complete(self, batch: Batch) -> None:
         """Commit a batch's outputs with the offsets it allows for partitions still owned
@@ -65,11 +66,21 @@ class Delivery:
         delay, stop_at = 0.5, None
         while True:
             try:
-                self.producer.commit(batch.outputs, offsets, self.consumer.group_metadata())
+                self.producer.commit(batch.outputs, offsets, self.consumer.group_metadata(),
+                                     waiting=lambda: self.health.commit_failed("the transaction waits for the broker"))
                 self.health.committed()
                 return
             except GroupMovedOn as exc:
-                raise InfrastructureError(f"{exc}; restarting from the committed offsets", retriable=False) from exc
+                # An outage or a slow batch let the group rebalance. When this member gets its
+                # partitions back (static membership: the usual case), the aborted batch is
+                # committed again under the new generation; otherwise its records are another
+                # member's now, and this process restarts from the committed offsets.
+                assigned = self.consumer.rejoin(self.rejoin_timeout_s)
+                if assigned is None or not set(offsets) <= assigned:
+                    raise InfrastructureError(f"{exc} and its partitions went elsewhere; restarting from the "
+                                              "committed offsets", retriable=False) from exc
+                log.info("the group rebalanced and gave this instance its partitions back: committing the batch "
+                         "again")
             except InfrastructureError as exc:
                 if not exc.retriable:
                     raise

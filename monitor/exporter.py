@@ -101,7 +101,10 @@ class MonitorMetrics:
         self.anomaly_outcomes = Counter("attention_anomaly_outcomes", "Joined anomalous traces by anomaly kind and "
                                         "task outcome.", [*layer, "kind", "outcome"], registry=r)
         s = "attention_monitor_"
-        self.consumed = Counter(f"{s}traces_consumed", "Trace records read from Kafka.", registry=r)
+        self.consumed = Counter(f"{s}traces_consumed", "Trace records read from Kafka and accounted for.",
+                                registry=r)
+        self.polled = Counter(f"{s}records_polled", "Trace and outcome records polled and handed to the pipeline "
+                              "(some may still be in the service's hands).", registry=r)
         self.outcomes_consumed = Counter(f"{s}outcomes_consumed", "Outcome records read from Kafka.", registry=r)
         self.rejected = Counter(f"{s}traces_rejected", "Trace records refused, by reason.", ["reason"], registry=r)
         self.outcomes_rejected = Counter(f"{s}outcomes_rejected", "Outcome records refused, by reason.", ["reason"],
@@ -149,8 +152,9 @@ class MonitorMetrics:
         self.commits = Counter(f"{s}commits", "Transactions committing a batch's outputs with its offsets.",
                                registry=r)
         self.output_failures = Counter(f"{s}output_failures", "Output transactions that failed, by reason "
-                                       "(aborted: sent again; group_moved; fenced).", ["reason"], registry=r)
-        for reason in ("aborted", "group_moved", "fenced"):
+                                       "(aborted: sent again; stalled: waiting for the broker beyond the delivery "
+                                       "timeout; group_moved; fenced).", ["reason"], registry=r)
+        for reason in ("aborted", "stalled", "group_moved", "fenced"):
             self.output_failures.labels(reason)
         self._layers: dict[tuple[tuple[str, str], int | str], LayerSeries] = {}
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",

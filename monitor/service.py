@@ -165,7 +165,7 @@ class Service:
             if any(r.topic == self.topics.traces for r in records):
                 # a model server publishes a contract just before its first traces: read the
                 # contracts topic to its end as of now, so those traces find it
-                _retry(lambda: readers[0].load(s.startup_timeout_s), "read contracts")
+                self._until_done(lambda: readers[0].load(10.0), "reading the contracts topic")
             measuring.check()  # a dead measuring process stops the service even when no traffic comes
             measuring.sync_contracts(self.contracts)
             measuring.sync_decisions(self.references)
@@ -177,6 +177,7 @@ class Service:
                     records = self._reassign(consumer, pipeline, measuring, assigned, records)
                     self.health.assigned()
             running.append(pipeline.process(records))
+            self.metrics.polled.inc(len(records))
             while len(running) > s.batches_in_flight or (running and running[0].done()):
                 delivery.complete(running.popleft().result())
             self.metrics.observe_contracts(self.contracts)
@@ -187,6 +188,22 @@ class Service:
         while running:
             delivery.complete(running.popleft().result())
         log.info("stop requested: last batch committed")
+
+    def _until_done(self, action: Callable[[], None], what: str) -> None:
+        """``action``, retried while the broker is away (not ready meanwhile), until it
+        succeeds or a stop is asked for."""
+        delay = 0.5
+        while True:
+            try:
+                action()
+                self.health.broker_answered()
+                return
+            except InfrastructureError as exc:
+                if not exc.retriable or self.stopping.is_set():
+                    raise
+                self.health.broker_silent(f"{what}: {exc}")
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
     def _check_broker(self, consumer: GroupConsumer) -> None:
         """Ask the broker for the trace partitions' end offsets: the lag, and whether it answers."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ class _Changes(ConsumerRebalanceListener):  # type: ignore[misc]
         self._lock = threading.Lock()
         self.revoked: set[TP] = set()
         self.assigned: set[TP] = set()
+        self.assignments = 0  #: assignments received so far (an empty one counts too)
 
     def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         with self._lock:
@@ -44,6 +46,7 @@ class _Changes(ConsumerRebalanceListener):  # type: ignore[misc]
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         with self._lock:
             self.assigned |= {(tp.topic, tp.partition) for tp in assigned}
+            self.assignments += 1
 
     def take(self) -> tuple[set[TP], set[TP]]:
         with self._lock:
@@ -59,6 +62,7 @@ class GroupConsumer:
         self.topics = list(topics)
         self.changes = _Changes()
         self.positions: dict[TP, int] = {}
+        self._stash: list[Record] = []  #: records fetched while rejoining, handed out by the next poll
         try:
             self._consumer = KafkaConsumer(
                 group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
@@ -92,6 +96,9 @@ class GroupConsumer:
         self._consumer.subscribe(self.topics, listener=self.changes)
 
     def poll(self, timeout_ms: int) -> list[Record]:
+        if self._stash:
+            records, self._stash = self._stash, []
+            return records
         try:
             batches = self._consumer.poll(timeout_ms=timeout_ms)
         except KafkaError as exc:
@@ -99,6 +106,19 @@ class GroupConsumer:
         records = [Record(r.topic, r.partition, r.offset, r.key, r.value, (r.timestamp or 0) / 1000)
                    for tp in sorted(batches, key=lambda t: (t.topic, t.partition)) for r in batches[tp]]
         return records
+
+    def rejoin(self, timeout_s: float) -> set[TP] | None:
+        """After the group moved on (a commit refused for a stale generation): drive the
+        group protocol until this member has its new assignment, and return it (None on
+        timeout). Records fetched meanwhile wait for the next :meth:`poll`; the
+        assignment change stays in :attr:`changes` for the service to act on."""
+        seen = self.changes.assignments
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._stash += self.poll(200)
+            if self.changes.assignments > seen:
+                return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+        return None
 
     def seek(self, positions: dict[TP, int]) -> None:
         """Resume partitions kept across a rebalance where this instance left off

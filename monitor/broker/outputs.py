@@ -16,6 +16,7 @@ and nothing is written twice; every failure is counted and logged. Only a fatal 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,22 +53,51 @@ class OutputProducer:
     def __init__(self, kafka_config: dict[str, Any], transactional_id: str, *, delivery_timeout_ms: int = 120_000,
                  on_failure: Callable[[str], None] = lambda reason: None):
         """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
+        ``stalled`` (still waiting for the broker after the delivery timeout),
         ``group_moved`` or ``fenced``."""
         self._on_failure = on_failure
+        self._patience_s = delivery_timeout_ms / 1000
         try:
             self._producer = KafkaProducer(
                 acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
-                delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms),
+                delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms // 2),
                 transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **kafka_config)
             self._producer.init_transactions()
         except KafkaError as exc:
             raise infrastructure_error("cannot start the transactional output producer", exc) from exc
 
-    def commit(self, outputs: Iterable[Output], offsets: dict[TP, int], group: Any) -> None:
+    def commit(self, outputs: Iterable[Output], offsets: dict[TP, int], group: Any,
+               waiting: Callable[[], None] = lambda: None) -> None:
         """Write ``outputs`` and commit ``offsets`` for ``group`` (the consumer's group
         metadata) in one transaction. Raises :class:`GroupMovedOn` when the group
         rebalanced meanwhile (nothing committed), :class:`InfrastructureError` when it
-        could not commit (after aborting; retriable unless this producer was fenced)."""
+        could not commit (after aborting; retriable unless this producer was fenced).
+
+        kafka-python waits without a limit for the coordinator to answer; while the
+        transaction has not finished after the delivery timeout, ``waiting`` is called
+        (and the wait counted as ``stalled``) once every delivery timeout, so the caller
+        can say it is not ready. The transaction then finishes either way once the broker
+        is back: committed, or aborted and raised here."""
+        done = threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                self._transact(list(outputs), offsets, group)
+                outcome.append(None)
+            except BaseException as exc:  # handed to the caller's thread below
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="output-transaction", daemon=True).start()
+        while not done.wait(self._patience_s):
+            self._on_failure("stalled")
+            waiting()
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any) -> None:
         try:
             self._producer.begin_transaction()
             futures = [self._producer.send(out.topic, key=out.key, value=out.value) for out in outputs]

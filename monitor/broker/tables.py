@@ -41,7 +41,10 @@ class TableReader:
 
     def load(self, timeout_s: float) -> None:
         """Read to the end offsets as of now."""
-        end = self._consumer.end_offsets(self._tps)
+        try:
+            end = self._consumer.end_offsets(self._tps, timeout_ms=int(timeout_s * 1000))
+        except KafkaError as exc:
+            raise infrastructure_error(f"cannot read the end of {self.topic}", exc) from exc
         deadline = time.monotonic() + timeout_s
         while any(self._consumer.position(tp) < end[tp] for tp in self._tps):
             if time.monotonic() > deadline:

@@ -173,3 +173,10 @@ class OutputReader:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def measuring_processes(monitor: Monitor) -> list[int]:
+    """The monitor's child processes, but for multiprocessing's resource tracker."""
+    pid = monitor.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]

@@ -21,6 +21,7 @@ from tests.service.harness import (
     Monitor,
     OutputReader,
     make_topics,
+    measuring_processes,
     monitor_env,
     publish_contracts,
     send_outcomes,
@@ -189,13 +190,6 @@ def test_a_dead_measuring_process_stops_the_monitor_with_exit_code_4(kafka_broke
     os.kill(measuring[0], signal.SIGKILL)
     assert monitor.process.proc.wait(30) == 4
     assert "the measuring process died" in monitor.process.log_path.read_text()
-
-
-def measuring_processes(monitor: Monitor) -> list[int]:
-    """The monitor's child processes, but for multiprocessing's resource tracker."""
-    pid = monitor.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def test_a_contract_published_while_running_reaches_the_measuring_process(kafka_broker, stack):
