@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs, idempotently, what the tests need from Debian: Prometheus (with promtool),
-# Alertmanager (with amtool), a Java 17+ runtime, Maven and openssl. Python packages live in
+# Alertmanager (with amtool), a Java 17+ runtime, Maven, openssl and Chromium. Python packages live in
 # the project's virtualenv (see the Makefile); Kafka's jars come from Maven Central.
 set -euo pipefail
 
@@ -12,6 +12,7 @@ command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need+=(maven)
 command -v openssl >/dev/null || need+=(openssl)  # the TLS test makes a certificate
+command -v chromium >/dev/null || need+=(chromium)  # the triage page's browser test (driven by playwright)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

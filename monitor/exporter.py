@@ -223,6 +223,8 @@ class LayerSeries:
         self._heads: dict[str, list[tuple[str, Any]]] = {}
         self.anomalies = {kind: metrics.anomalies.labels(*key, kind) for kind in KINDS}
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
+        #: joined traces of the layer by outcome since start, as anomaly records carry them
+        self.outcome_counts = dict.fromkeys(OUTCOMES, 0)
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
         self.reference_traces = metrics.reference_traces.labels(*key)
@@ -282,6 +284,7 @@ class LayerSeries:
             self._judge = value
 
     def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
+        self.outcome_counts[outcome] += 1
         self.trace_outcomes[outcome].inc()
         for kind in set(kinds):
             self.anomaly_outcomes[(kind, outcome)].inc()

@@ -1,10 +1,12 @@
-"""The monitor's HTTP endpoint: ``/metrics`` (optionally TLS and basic auth),
-``/healthz`` (the process runs) and ``/readyz`` (it consumes and can commit)."""
+"""The monitor's HTTP endpoint: ``/metrics`` and ``/triage/…`` (optionally TLS and basic
+auth, the same for both), ``/healthz`` (the process runs) and ``/readyz`` (it consumes
+and can commit)."""
 
 from __future__ import annotations
 
 import base64
 import hmac
+import logging
 import ssl
 import sys
 import threading
@@ -16,7 +18,11 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+log = logging.getLogger(__name__)
 StartResponse = Callable[..., Any]
+#: renders a triage page from its path below ``/triage/`` and its query string; raises
+#: LookupError for an unknown page
+Pages = Callable[[str, str], str]
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -52,9 +58,11 @@ class MetricsServer:
         basic_auth: tuple[str, str] | None = None,
         ready: Callable[[], bool] = lambda: True,
         idle_timeout_s: float = 10.0,
+        pages: Pages | None = None,
     ):
         self._metrics = make_wsgi_app(registry)
         self._ready = ready
+        self._pages = pages
         self._auth = None
         if basic_auth is not None:
             token = base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
@@ -98,7 +106,8 @@ class MetricsServer:
             if self._ready():
                 return _text(start_response, "200 OK", "ready\n")
             return _text(start_response, "503 Service Unavailable", "not ready\n")
-        if path not in ("/metrics", "/"):
+        triage = self._pages is not None and (path == "/triage" or path.startswith("/triage/"))
+        if path not in ("/metrics", "/") and not triage:
             return _text(start_response, "404 Not Found", "not found\n")
         if self._auth is not None:
             given = environ.get("HTTP_AUTHORIZATION", "").encode()
@@ -106,9 +115,29 @@ class MetricsServer:
                 start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="attention-monitor"'),
                                                     ("Content-Type", "text/plain")])
                 return [b"unauthorized\n"]
+        if triage:
+            return self._triage(path, environ.get("QUERY_STRING", ""), start_response)
         environ["PATH_INFO"] = "/metrics"
         result: Iterable[bytes] = self._metrics(environ, start_response)
         return result
+
+
+    def _triage(self, path: str, query: str, start_response: StartResponse) -> list[bytes]:
+        assert self._pages is not None
+        if path == "/triage":  # relative links on the pages need the trailing slash
+            start_response("301 Moved Permanently", [("Location", "/triage/"), ("Content-Type", "text/plain")])
+            return [b"/triage/\n"]
+        try:
+            html = self._pages(path.removeprefix("/triage/"), query)
+        except LookupError as exc:
+            return _text(start_response, "404 Not Found", f"{exc}\n")
+        except Exception as exc:  # the broker away, a record we cannot draw: say so, keep serving
+            log.warning("triage page %s failed: %s", path, exc)
+            return _text(start_response, "503 Service Unavailable", f"triage page unavailable: {exc}\n")
+        start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"),
+                                  ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; "
+                                                              "img-src data:")])
+        return [html.encode()]
 
 
 def _text(start_response: StartResponse, status: str, body: str) -> list[bytes]:

@@ -30,17 +30,17 @@ from pydantic import ValidationError
 from monitor.core.detect import Anomaly
 from monitor.core.incidents import Change, IncidentTracker
 from monitor.core.join import JoinBuffer, Joined
-from monitor.core.policy import policy_fields
 from monitor.deadletter import dead_letter, encode_dead_letter
 from monitor.errors import RejectReason
 from monitor.exporter import LayerSeries, MonitorMetrics
+from monitor.findings import anomaly_record, evidence_fields, incident_record
 from monitor.measure import Duplicate, Measured, Rejected, Result
 from monitor.measuring import Measuring, results
 from monitor.records import Output, Record, Source
 from monitor.schema import TaskOutcome
 from monitor.topics import Topics
 
-__all__ = ["Batch", "Pipeline", "anomaly_record"]
+__all__ = ["Batch", "Pipeline"]
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
@@ -63,6 +63,7 @@ class _Waiting:
     trace: dict[str, Any]
     series: LayerSeries
     anomalies: list[Anomaly] = field(default_factory=list)
+    evidence: dict[str, Any] | None = None  #: the anomalous trace beside its reference (anomaly records carry it)
 
 
 class Pipeline:
@@ -160,13 +161,15 @@ class Pipeline:
         self.metrics.processing.observe(result.seconds)
         self.metrics.trace_processed(self._wall())
         outputs = []
+        evidence = None
         if result.anomalies:
             now = self._wall()
-            records = [anomaly_record(ident, anomaly, None, now) for anomaly in result.anomalies]
+            evidence = evidence_fields(result.verdict.evidence)
+            records = [anomaly_record(ident, anomaly, None, now, evidence) for anomaly in result.anomalies]
             changes = self.incidents.observe(ident["model_id"], ident["model_revision"], ident["layer"],
                                              result.anomalies, records, self._clock(), now)
             outputs += self._incident_records(changes, record)
-        waiting = _Waiting(ident, series, result.anomalies)
+        waiting = _Waiting(ident, series, result.anomalies, evidence)
         at = self._event_time(record, "trace")
         joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, at)
         return outputs + self._emit(joined)
@@ -226,7 +229,8 @@ class Pipeline:
                 if source in self._emitted:
                     continue
             for anomaly in w.anomalies:
-                doc = anomaly_record(w.trace, anomaly, item.outcome, self._wall())
+                doc = anomaly_record(w.trace, anomaly, item.outcome, self._wall(), w.evidence,
+                                     w.series.outcome_counts)
                 out.append(Output(self.topics.anomalies, w.trace["request_id"].encode(),
                                   json.dumps(doc, sort_keys=True).encode(), source))
         self._sync_join_gauges()
@@ -271,26 +275,3 @@ class Pipeline:
             return
         with self._emitted_lock:
             self._emitted = {s for s in self._emitted if s[2] >= offsets.get((s[0], s[1]), -1)}
-
-
-def incident_record(summary: dict[str, Any], change: str, now: float) -> dict[str, Any]:
-    """The JSON incident record: what opened or closed, its evidence, and the policy."""
-    return {"schema": "attention-incident/1", "change": change, **summary, "at": now, "policy": policy_fields()}
-
-
-def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None, now: float) -> dict[str, Any]:
-    """The JSON anomaly record: identity, finding, outcome and the two policy sentences."""
-    return {
-        "schema": "attention-anomaly/1",
-        **trace,
-        "kind": anomaly.kind,
-        "heads": list(anomaly.heads),
-        "value": anomaly.value,
-        "reference": anomaly.reference,
-        "reference_revision": anomaly.reference_revision,
-        "effect_size": anomaly.effect,
-        "score": anomaly.score,
-        "outcome": outcome,
-        "detected_at": now,
-        "policy": policy_fields(),
-    }

@@ -81,6 +81,16 @@ class Service:
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
 
+    def triage_page(self, path: str, query: str) -> str:
+        """A /triage/ page, from the committed tail of the anomalies topic (read afresh
+        for every page: an on-call page, not a dashboard)."""
+        from monitor.broker.tail import read_tail
+        from monitor.triage.site import respond
+
+        records = read_tail(self.settings.kafka_config(), [self.topics.anomalies], self.settings.triage_records,
+                            timeout_s=15.0)
+        return respond(records, path, query)
+
     def run(self) -> ExitCode:
         s = self.settings
         server = MetricsServer(
@@ -88,6 +98,7 @@ class Service:
             tls_key=s.metrics_tls_key, ready=self.health.ready, idle_timeout_s=s.metrics_idle_timeout_s,
             basic_auth=(s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value())
             if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None,
+            pages=self.triage_page if s.triage_records else None,
         ).start()
         log.info("serving %s/metrics", server.url)
         kafka = s.kafka_config()

@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     metrics_basic_auth_user: str | None = None
     metrics_basic_auth_password: SecretStr | None = None
     metrics_idle_timeout_s: float = Field(10.0, gt=0, description="an idle /metrics connection is closed after this")
+    triage_records: int = Field(2000, ge=0, description="records read from the end of each anomalies partition "
+                                "for a /triage/ page (0: no triage pages)")
     detail_level: Literal["layer", "head"] = "layer"
     max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
     model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")

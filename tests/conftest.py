@@ -1,9 +1,10 @@
 """Fixtures that start real services: Kafka (plaintext and SCRAM+ACL profiles),
-Prometheus with Alertmanager and a webhook receiver, and the promtool/amtool binaries.
+Prometheus with Alertmanager and a webhook receiver, the promtool/amtool binaries, and
+Debian's headless Chromium driven by playwright.
 
 A service that cannot start fails the test with the reason (devstack's
 ``ServiceError`` carries the log tail); nothing is skipped. A test that uses one of
-these fixtures must carry its marker (``kafka`` or ``prometheus``), so that
+these fixtures must carry its marker (``kafka``, ``prometheus`` or ``browser``), so that
 ``pytest -m "not kafka and not prometheus"`` runs with no service at all: a test
 that does not is failed at setup.
 """
@@ -25,7 +26,12 @@ from devstack.webhook import WebhookReceiver
 
 #: fixture -> the marker a test using it (directly or through other fixtures) must carry
 NEEDS_MARKER = {"kafka_broker": "kafka", "scram_broker": "kafka", "prometheus_stack": "prometheus",
-                "promtool": "prometheus", "amtool": "prometheus"}
+                "promtool": "prometheus", "amtool": "prometheus", "chromium": "browser"}
+#: Debian's chromium (devstack/install-system-deps.sh); playwright never downloads a browser here
+CHROMIUM = "/usr/bin/chromium"
+#: without these, chromium's background connections to the closed network fail at every start
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -43,6 +49,17 @@ def promtool() -> str:
 @pytest.fixture(scope="session")
 def amtool() -> str:
     return binary("amtool")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[Any]:
+    """A headless Debian Chromium, through playwright's own client."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
 
 
 @pytest.fixture(scope="session")

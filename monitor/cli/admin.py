@@ -183,15 +183,22 @@ def triage(
     layer: Annotated[int | None, typer.Option(help="layer number")] = None,
     kind: Annotated[str | None, typer.Option(help="low_diversity, entropy_collapse, concentration_spike, sink_shift")]
     = None,
+    incident: Annotated[str | None, typer.Option(help="one incident id (as the alert or `triage` names it)")] = None,
+    html: Annotated[Path | None, typer.Option(help="write self-contained HTML instead of text: a file for --incident "
+                                              "or a full --model/--revision/--layer selection, otherwise a "
+                                              "directory with index.html and one page per incident")] = None,
     last: Annotated[int, typer.Option(help="records to read from the end of each partition")] = 2000,
 ) -> None:
-    """Summarise recent incidents and anomaly records for on-call.
+    """Summarise recent incidents and anomaly records for on-call, as text or as HTML
+    pages (head-similarity heatmaps against the reference, per-head timelines, the
+    strongest evidence, the outcome association).
 
     Heads involved, values against the reference, outcomes, contract ids. A prompt for
     investigation, never a pruning command."""
     from monitor.broker.tail import read_tail
     from monitor.errors import InfrastructureError
-    from monitor.tools.triage import report, select, select_incidents
+    from monitor.triage import evidence, page, site
+    from monitor.triage.text import report, select, select_incidents
 
     settings = load_settings()
     try:
@@ -199,5 +206,20 @@ def triage(
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
-    typer.echo(report(select(records, model, revision, layer, kind), select_incidents(records, model, revision, layer)),
-               nl=False)
+    if html is None:
+        typer.echo(report(select(records, model, revision, layer, kind), select_incidents(records, model, revision,
+                                                                                          layer)), nl=False)
+        return
+    if incident is not None or None not in (model, revision, layer):
+        case = (evidence.for_incident(records, incident) if incident is not None
+                else evidence.for_layer(records, str(model), str(revision), int(layer or 0)))
+        if case is None:
+            typer.echo(f"error: no incident {incident!r} in the last {last} records of each partition of "
+                       f"{settings.anomalies_topic}", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        html.parent.mkdir(parents=True, exist_ok=True)
+        html.write_text(page.render(case), encoding="utf-8")
+        typer.echo(f"wrote {html}" + (" (nothing to investigate)" if case.healthy else ""))
+        return
+    written = site.write_site(records, html, model, revision, layer)
+    typer.echo(f"wrote {written[0]} and {len(written) - 1} incident pages")

@@ -111,6 +111,22 @@ class Anomaly:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What an anomalous trace looked like beside its reference, for the triage page:
+    the head-similarity matrices (small, no weights) and every head's metrics against
+    the reference band at the trace's length."""
+
+    heads: tuple[str, ...]
+    key_count: int
+    similarity: NDArray[np.float64]  #: this trace's [H, H] head-similarity matrix
+    reference_similarity: NDArray[np.float64] | None  #: the reference's mean matrix
+    metrics: dict[str, NDArray[np.float64]]  #: entropy, concentration, sink_share: this trace's, per head
+    band_mean: dict[str, NDArray[np.float64]]  #: the same metrics' reference mean at this length
+    band_sd: dict[str, NDArray[np.float64]]  #: and their reference deviation (floored as in judging)
+    diversity: tuple[float, float, float]  #: layer diversity: value, reference mean, reference sd
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What the detector made of one trace."""
 
@@ -121,6 +137,7 @@ class Verdict:
     ready: bool  #: that reference judges traces
     events: tuple[str, ...] = ()  #: worth a log line: a reference became ready, a pin took effect
     evicted: int = 0  #: references dropped to keep at most ``max_references``
+    evidence: Evidence | None = None  #: with anomalies: the trace beside its reference
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,29 @@ def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
         warnings.simplefilter("ignore", RuntimeWarning)  # a head with no similarity this trace: NaN
         result: NDArray[np.float64] = np.nanmax(np.where(off, similarity, np.nan), axis=1)
     return result
+
+
+#: a pair of heads counts as converging when its similarity rose this much above the
+#: reference's mean matrix, and by at least half the largest rise of the layer
+PAIR_RISE = 0.2
+
+
+def _rising_pairs(similarity: NDArray[np.float64], reference: NDArray[np.float64] | None) -> set[int]:
+    """Heads of the pairs whose similarity rose most above the reference's mean matrix: a
+    group of heads turning into copies of each other, even when some of them already had
+    a near twin (so their nearest-neighbour similarity hardly moved)."""
+    if reference is None or reference.shape != similarity.shape or similarity.shape[0] < 2:
+        return set()
+    with np.errstate(invalid="ignore"):
+        rise = np.where(np.eye(similarity.shape[0], dtype=bool), np.nan, similarity - reference)
+    if not np.isfinite(rise).any():
+        return set()
+    top = float(np.nanmax(rise))
+    if top < PAIR_RISE:
+        return set()
+    with np.errstate(invalid="ignore"):
+        rows, cols = np.nonzero(rise >= max(PAIR_RISE, top / 2))
+    return {int(i) for i in (*rows, *cols)}
 
 
 class Detector:
@@ -220,6 +260,7 @@ class Detector:
                 ref = self.references[own_key] = LengthReference(values.size)
             if ref.traces < self.config.reference_traces:
                 ref.update(obs.key_count, values)
+                ref.update_matrix(obs.similarity)
                 if ref.traces == self.config.reference_traces:
                     events.append(f"reference of {obs.model} {obs.revision} layer {obs.layer} ready "
                                   f"({ref.traces} traces)")
@@ -236,8 +277,8 @@ class Detector:
         if judge_revision != obs.revision and self._announce("pinned", own_key):
             events.append(f"{obs.model} {obs.revision} layer {obs.layer} is judged by the reference of "
                           f"{judge_revision} ({self.decisions[(obs.model, obs.revision)].source})")
-        anomalies = self._judge(own_key, ref, obs, values, h, judge_revision)
-        return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events))
+        anomalies, evidence = self._judge(own_key, ref, obs, values, h, judge_revision)
+        return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events), evidence=evidence)
 
     def _use(self, key: LayerKey) -> LengthReference | None:
         ref = self.references.get(key)
@@ -264,11 +305,13 @@ class Detector:
         return True
 
     def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, values: NDArray[np.float64], h: int,
-               ref_revision: str) -> list[Anomaly]:
+               ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
         """Every stream of the layer in one vector. Low diversity: layer diversity down,
         and each head's similarity to its nearest other head up (a group of heads turning into
         copies of each other may barely move the layer's mean); then per head entropy
-        down, concentration up, sink share up and sink share down."""
+        down, concentration up, sink share up and sink share down. A low-diversity
+        finding names the heads whose nearest-neighbour similarity rose, and those of the
+        pairs whose similarity rose most above the reference's mean matrix."""
         c = self.config
         fit = ref.fit(obs.key_count, min(c.pool, c.reference_traces))
         floors = np.concatenate(([c.min_sd["diversity"]], *(np.full(h, c.min_sd[m]) for m in HEAD_METRICS)))
@@ -293,7 +336,8 @@ class Detector:
         found = []
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
-            named = [obs.heads[i] for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z]
+            rising = _rising_pairs(obs.similarity, ref.mean_matrix())
+            named = [obs.heads[i] for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z or i in rising]
             heads = tuple(named) or self._converging_heads(obs.heads, z, h)
             score = float(s[: 1 + h][hit[: 1 + h]].max())
             found.append(Anomaly("low_diversity", obs.layer, heads, obs.diversity, float(mean[0]), float(z[strongest]),
@@ -305,7 +349,15 @@ class Detector:
                                  float(z[j]), float(s[j]), ref_revision))
         s[hit] = 0.0
         self._cusum[key] = s
-        return found
+        if not found:
+            return found, None
+        band = {m: block[m] for m in HEAD_METRICS[:3]}
+        evidence = Evidence(obs.heads, obs.key_count, obs.similarity, ref.mean_matrix(),
+                            {"entropy": obs.entropy, "concentration": obs.concentration,
+                             "sink_share": obs.sink_share},
+                            {m: fit.mean[i] for m, i in band.items()}, {m: sd[i] for m, i in band.items()},
+                            (obs.diversity, float(fit.mean[0]), float(sd[0])))
+        return found, evidence
 
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)

@@ -17,6 +17,9 @@ windows, sparse regions wide ones; every length gets an answer once the referenc
 ``pool`` traces, whatever their lengths. Sums are kept per stream (a stream may skip a
 trace, e.g. entropy when no row sees two keys), so merging two references is adding
 them: instances and restarts combine exactly.
+
+Beside the streams, a reference keeps the layer's mean head-similarity matrix (over all
+lengths): not used to judge, but what the triage page shows a trace's matrix against.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class LengthReference:
         self.bins: dict[int, NDArray[np.float64]] = {}  #: bin → [6, streams] sums
         self.traces = 0
         self._fits: dict[tuple[int, int], _Local] = {}  #: (bin, pool) → fit, until the sums change
+        #: sum of the learnt traces' head-similarity matrices (NaN entries skipped), and counts
+        self.matrix_sum: NDArray[np.float64] | None = None
+        self.matrix_n: NDArray[np.float64] | None = None
 
     def update(self, key_count: int, values: ArrayLike) -> None:
         """Add one trace's value of every stream (NaN: the stream skips this trace)."""
@@ -90,6 +96,23 @@ class LengthReference:
         self.traces += 1
         self._fits.clear()
 
+    def update_matrix(self, similarity: ArrayLike) -> None:
+        """Add one trace's head-similarity matrix to the mean matrix."""
+        m = np.asarray(similarity, dtype=np.float64)
+        if self.matrix_sum is None or self.matrix_n is None or self.matrix_sum.shape != m.shape:
+            self.matrix_sum, self.matrix_n = np.zeros_like(m), np.zeros_like(m)
+        seen = np.isfinite(m)
+        self.matrix_sum += np.where(seen, m, 0.0)
+        self.matrix_n += seen
+
+    def mean_matrix(self) -> NDArray[np.float64] | None:
+        """The learnt traces' mean head-similarity matrix (None before any)."""
+        if self.matrix_sum is None or self.matrix_n is None:
+            return None
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean: NDArray[np.float64] = np.where(self.matrix_n > 0, self.matrix_sum / self.matrix_n, np.nan)
+        return mean
+
     def merge(self, other: LengthReference) -> LengthReference:
         if other.streams != self.streams:
             raise ValueError(f"cannot merge a reference of {other.streams} streams into one of {self.streams}")
@@ -98,6 +121,15 @@ class LengthReference:
             for b, sums in source.bins.items():
                 merged.bins[b] = merged.bins[b] + sums if b in merged.bins else sums.copy()
         merged.traces = self.traces + other.traces
+        for source in (self, other):
+            total, n = source.matrix_sum, source.matrix_n
+            if total is None or n is None:
+                continue
+            if merged.matrix_sum is None or merged.matrix_n is None or merged.matrix_sum.shape != total.shape:
+                merged.matrix_sum, merged.matrix_n = total.copy(), n.copy()
+            else:
+                merged.matrix_sum += total
+                merged.matrix_n += n
         return merged
 
     def fit(self, key_count: int, pool: int) -> Fit:
@@ -133,8 +165,11 @@ class LengthReference:
         return _Local(intercept, slope, np.sqrt(variance), n, lo, hi)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"streams": self.streams, "traces": self.traces,
-                "bins": {str(b): sums.tolist() for b, sums in sorted(self.bins.items())}}
+        doc: dict[str, Any] = {"streams": self.streams, "traces": self.traces,
+                               "bins": {str(b): sums.tolist() for b, sums in sorted(self.bins.items())}}
+        if self.matrix_sum is not None and self.matrix_n is not None:
+            doc["matrix"] = {"sum": self.matrix_sum.tolist(), "n": self.matrix_n.tolist()}
+        return doc
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> LengthReference:
@@ -145,4 +180,10 @@ class LengthReference:
             if array.shape != (len(_FIELDS), ref.streams):
                 raise ValueError(f"bin {b} holds sums of shape {array.shape}, expected {(len(_FIELDS), ref.streams)}")
             ref.bins[int(b)] = array
+        matrix = doc.get("matrix")  # absent in states saved before the triage page
+        if matrix is not None:
+            total, n = np.asarray(matrix["sum"], dtype=np.float64), np.asarray(matrix["n"], dtype=np.float64)
+            if total.shape != n.shape or total.ndim != 2 or total.shape[0] != total.shape[1]:
+                raise ValueError(f"mean matrix of shape {total.shape} and counts {n.shape}: not square and alike")
+            ref.matrix_sum, ref.matrix_n = total, n
         return ref

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import time
@@ -91,7 +92,12 @@ class Monitor:
 
     def metrics(self) -> dict[str, float]:
         """Sample name with sorted labels -> value, e.g. ``attention_monitor_traces_rejected_total{reason=x}``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/metrics")
+        user = self.env.get("ATTENTION_MONITOR_METRICS_BASIC_AUTH_USER")
+        if user:  # the monitor's own basic auth, when the test set it
+            password = self.env["ATTENTION_MONITOR_METRICS_BASIC_AUTH_PASSWORD"]
+            request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        with urllib.request.urlopen(request, timeout=5) as resp:
             text = resp.read().decode()
         out = {}
         for family in text_string_to_metric_families(text):

@@ -1,0 +1,66 @@
+"""The JSON records the monitor writes about what it found (``docs/wire-format.md``):
+anomaly records (one finding on one trace, with the trace beside its reference) and
+incident records (an incident opened or closed). Both carry the two policy sentences."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from monitor.core.detect import Anomaly, Evidence
+from monitor.core.policy import policy_fields
+
+
+def incident_record(summary: dict[str, Any], change: str, now: float) -> dict[str, Any]:
+    """The JSON incident record: what opened or closed, its evidence, and the policy."""
+    return {"schema": "attention-incident/1", "change": change, **summary, "at": now, "policy": policy_fields()}
+
+
+def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None, now: float,
+                   evidence: dict[str, Any] | None = None,
+                   layer_outcomes: dict[str, int] | None = None) -> dict[str, Any]:
+    """The JSON anomaly record: identity, finding, outcome, the trace beside its
+    reference (``evidence``), the layer's joined outcomes so far (``layer_outcomes``, so
+    the triage page can compare failure rates) and the two policy sentences."""
+    return {
+        "schema": "attention-anomaly/1",
+        **trace,
+        "kind": anomaly.kind,
+        "heads": list(anomaly.heads),
+        "value": anomaly.value,
+        "reference": anomaly.reference,
+        "reference_revision": anomaly.reference_revision,
+        "effect_size": anomaly.effect,
+        "score": anomaly.score,
+        "outcome": outcome,
+        "detected_at": now,
+        "evidence": evidence,
+        "layer_outcomes": None if layer_outcomes is None else dict(layer_outcomes),
+        "policy": policy_fields(),
+    }
+
+
+def _rounded(values: Any) -> Any:
+    """An array as JSON lists rounded to 5 decimals (NaN: null)."""
+    array = np.asarray(values, dtype=np.float64)
+    return [_rounded(row) for row in array] if array.ndim > 1 else [
+        None if not math.isfinite(v) else round(float(v), 5) for v in array]
+
+
+def evidence_fields(evidence: Evidence | None) -> dict[str, Any] | None:
+    """An :class:`Evidence` as the JSON the anomaly record carries (docs/wire-format.md)."""
+    if evidence is None:
+        return None
+    return {
+        "heads": list(evidence.heads),
+        "key_count": evidence.key_count,
+        "similarity": _rounded(evidence.similarity),
+        "reference_similarity": None if evidence.reference_similarity is None
+        else _rounded(evidence.reference_similarity),
+        "metrics": {m: _rounded(v) for m, v in evidence.metrics.items()},
+        "band": {m: {"mean": _rounded(evidence.band_mean[m]), "sd": _rounded(evidence.band_sd[m])}
+                 for m in evidence.metrics},
+        "diversity": dict(zip(("value", "mean", "sd"), (round(v, 5) for v in evidence.diversity), strict=True)),
+    }

@@ -1,0 +1,243 @@
+"""What a triage page shows, gathered from the records the monitor wrote: one incident,
+or one (model, revision, layer) selection, with its anomaly records, the trace beside
+its reference, the heads involved and the outcome association. Pure data: the charts
+and the HTML are made from a :class:`Case` elsewhere (``charts``, ``page``)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from monitor.core.incidents import FAMILY, HEAD_SHARE
+
+#: anomaly records listed as the strongest evidence
+STRONGEST = 10
+#: two-sided 95 % normal quantile, for the intervals of failure rates
+Z95 = 1.959963984540054
+#: head metrics the timelines show
+TIMELINE_METRICS = ("entropy", "concentration", "sink_share")
+#: heads the timelines show at most: the involved ones, then those most often named by findings
+TIMELINE_HEADS = 6
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A failure rate with its Wilson score 95 % interval."""
+
+    failures: int
+    joined: int
+
+    @property
+    def value(self) -> float:
+        return self.failures / self.joined if self.joined else math.nan
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.failures, self.joined)
+
+
+@dataclass(frozen=True)
+class Association:
+    """Failure rate of the selection's anomalous traces against the layer's other
+    traces: correlational, never causal."""
+
+    anomalous: Rate
+    others: Rate | None  #: None when the records carry no layer outcome counts
+    missing: int  #: anomalous traces whose outcome never came
+
+    @property
+    def difference(self) -> tuple[float, float, float] | None:
+        """Rate difference (anomalous − others) with Newcombe's hybrid score interval."""
+        if self.others is None or not self.anomalous.joined or not self.others.joined:
+            return None
+        p1, p2 = self.anomalous.value, self.others.value
+        (l1, u1), (l2, u2) = self.anomalous.interval, self.others.interval
+        d = p1 - p2
+        return d, d - math.hypot(p1 - l1, u2 - p2), d + math.hypot(u1 - p1, p2 - l2)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One anomalous trace's head metric beside the reference band at its length."""
+
+    at: float
+    value: float
+    mean: float
+    sd: float
+
+
+@dataclass
+class Case:
+    """Everything one triage page says."""
+
+    model: str | None
+    revision: str | None
+    layer: int | None
+    incident: dict[str, Any] | None  #: the incident's latest record
+    records: list[dict[str, Any]]  #: its anomaly records, oldest first
+    involved: list[str] = field(default_factory=list)
+    latest: dict[str, Any] | None = None  #: the newest anomaly record that carries evidence
+    association: Association | None = None
+    timelines: dict[str, dict[str, list[Point]]] = field(default_factory=dict)  #: metric → head → points
+
+    @property
+    def healthy(self) -> bool:
+        """Nothing to investigate: no incident and no anomaly record."""
+        return self.incident is None and not self.records
+
+    @property
+    def traces(self) -> int:
+        """Distinct traces among the records."""
+        return len({r["trace_id"] for r in self.records})
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        return dict(Counter(str(r["kind"]) for r in self.records))
+
+    @property
+    def strongest(self) -> list[dict[str, Any]]:
+        return sorted(self.records, key=lambda r: -float(r.get("effect_size", 0.0)))[:STRONGEST]
+
+    @property
+    def contract_ids(self) -> list[str]:
+        return sorted({str(r["contract_id"]) for r in self.records if r.get("contract_id")})
+
+    @property
+    def reference_revisions(self) -> list[str]:
+        found = {str(r["reference_revision"]) for r in self.records if r.get("reference_revision")}
+        if self.incident and self.incident.get("reference_revision"):
+            found.add(str(self.incident["reference_revision"]))
+        return sorted(found)
+
+    @property
+    def title(self) -> str:
+        if self.incident is not None:
+            return f"Incident {self.incident['incident_id']}"
+        layer = "*" if self.layer is None else self.layer
+        return f"{self.model or 'any model'} {self.revision or ''} layer {layer}"
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (NaN, NaN without observations)."""
+    if n <= 0:
+        return math.nan, math.nan
+    p = successes / n
+    denominator = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def incidents(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The latest record of every incident in ``records``, newest opened first."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if str(r.get("schema", "")).startswith("attention-incident"):
+            latest[r["incident_id"]] = r
+    return sorted(latest.values(), key=lambda i: -float(i["opened_at"]))
+
+
+def anomalies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if str(r.get("schema", "")).startswith("attention-anomaly")]
+
+
+def for_incident(records: list[dict[str, Any]], incident_id: str) -> Case | None:
+    """The case of one incident (None when no record of it is in ``records``)."""
+    found = [i for i in incidents(records) if i["incident_id"] == incident_id]
+    return _case(records, found[0]) if found else None
+
+
+def for_layer(records: list[dict[str, Any]], model: str, revision: str, layer: int) -> Case:
+    """The case of a (model, revision, layer): its newest incident when it has one, else
+    its anomaly records, else a healthy case (nothing to investigate)."""
+    mine = [i for i in incidents(records)
+            if (i["model_id"], i["model_revision"], i["layer"]) == (model, revision, layer)]
+    if mine:
+        return _case(records, mine[0])
+    chosen = [r for r in anomalies(records)
+              if (r.get("model_id"), r.get("model_revision"), r.get("layer")) == (model, revision, layer)]
+    return _complete(Case(model, revision, layer, None, sorted(chosen, key=_detected)))
+
+
+def _detected(record: dict[str, Any]) -> float:
+    return float(record.get("detected_at", 0.0))
+
+
+def _case(records: list[dict[str, Any]], incident: dict[str, Any]) -> Case:
+    """An incident's anomaly records: its layer's, of its family (a diversity incident
+    also shows the head findings that were its side effects), from its opening to its
+    close."""
+    key = (incident["model_id"], incident["model_revision"], incident["layer"])
+    family = incident["family"]
+    start = float(incident["opened_at"])
+    end = float(incident["at"]) if incident.get("state") == "closed" else math.inf
+    chosen = [r for r in anomalies(records)
+              if (r.get("model_id"), r.get("model_revision"), r.get("layer")) == key
+              and (family == "diversity" or FAMILY.get(str(r.get("kind"))) == family)
+              and start - 1.0 <= _detected(r) <= end]
+    case = Case(*key, incident, sorted(chosen, key=_detected))
+    return _complete(case)
+
+
+def _complete(case: Case) -> Case:
+    records = case.records
+    family = (case.incident or {}).get("family")
+    own = [r for r in records if family is None or FAMILY.get(str(r.get("kind"))) == family]
+    if own:  # as the incident tracker names them, over every finding so far (its record may be older)
+        counts = Counter(h for r in own for h in r.get("heads", []))
+        case.involved = [h for h, n in counts.most_common() if n >= HEAD_SHARE * len(own)]
+    elif case.incident is not None:
+        case.involved = list(case.incident.get("heads", []))
+    with_evidence = [r for r in records if r.get("evidence")]
+    strongest = (case.incident or {}).get("strongest") or {}
+    case.latest = with_evidence[-1] if with_evidence else (strongest if strongest.get("evidence") else None)
+    case.association = _association(records)
+    named = Counter(h for r in records for h in r.get("heads", []))
+    shown = [*case.involved, *(h for h, _ in named.most_common() if h not in case.involved)][:TIMELINE_HEADS]
+    case.timelines = _timelines(with_evidence, shown)
+    return case
+
+
+def _association(records: list[dict[str, Any]]) -> Association | None:
+    """Outcomes of the selection's anomalous traces (each trace once) against the layer's
+    other joined traces, from the newest record's ``layer_outcomes``."""
+    joined = [r for r in records if r.get("outcome") is not None]
+    if not joined:
+        return None
+    by_trace = {r["trace_id"]: r["outcome"] for r in joined}
+    outcomes = Counter(by_trace.values())
+    anomalous = Rate(outcomes["failure"], outcomes["failure"] + outcomes["success"])
+    counted = [r for r in joined if r.get("layer_outcomes")]
+    others = None
+    if counted:
+        layer = max(counted, key=_detected)["layer_outcomes"]
+        failures = max(0, int(layer.get("failure", 0)) - outcomes["failure"])
+        successes = max(0, int(layer.get("success", 0)) - outcomes["success"])
+        others = Rate(failures, failures + successes)
+    return Association(anomalous, others, outcomes["missing"])
+
+
+def _timelines(records: list[dict[str, Any]], shown: list[str]) -> dict[str, dict[str, list[Point]]]:
+    """Per metric and head shown, every anomalous trace's value beside its band (each
+    trace once)."""
+    out: dict[str, dict[str, list[Point]]] = {m: {} for m in TIMELINE_METRICS}
+    seen: set[str] = set()
+    for r in records:
+        if r["trace_id"] in seen:
+            continue
+        seen.add(r["trace_id"])
+        evidence = r["evidence"]
+        heads = evidence["heads"]
+        for metric in TIMELINE_METRICS:
+            values, band = evidence["metrics"][metric], evidence["band"][metric]
+            for head in shown:
+                if head not in heads:
+                    continue
+                i = heads.index(head)
+                if values[i] is None or band["mean"][i] is None:
+                    continue
+                out[metric].setdefault(head, []).append(
+                    Point(_detected(r), float(values[i]), float(band["mean"][i]), float(band["sd"][i] or 0.0)))
+    return out

@@ -1,0 +1,125 @@
+"""The triage pages of a real run (real broker, the service, a collapsed revision judged
+by its healthy predecessor's reference), opened in Debian's headless Chromium: written by
+``attention-monitor triage --html`` and served by the service at ``/triage/`` behind its
+basic auth."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from monitor.producer import TraceProducer
+from tests.factories import KEY_ID, SECRET
+from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts, series
+from tests.triage.cases import COLLAPSED, COLLAPSED_HEADS, HEALTHY
+
+pytestmark = [pytest.mark.kafka, pytest.mark.browser]
+USER, PASSWORD = "oncall", "triage-password"
+
+
+def send(bootstrap: str, topics, scenario, requests: int, seed: int, fail_every: int) -> None:
+    import time
+
+    rng = np.random.default_rng(seed)
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
+        for i in range(requests):
+            request_id = f"{scenario.revision}-{i}"
+            for header, weights in scenario.request(rng, request_id, timestamp=time.time()):
+                producer.send(header, weights)
+            producer.send_outcome(request_id, "failure" if i % fail_every == 0 else "success")
+        producer.flush()
+
+
+def open_page(browser, url: str, screenshot, **context_options):
+    """Load ``url``; the page, its console errors and every request it made."""
+    context = browser.new_context(**context_options)
+    page = context.new_page()
+    errors: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: requests.append(r.url))
+    response = page.goto(url, wait_until="load")
+    page.screenshot(path=str(screenshot), full_page=True)
+    return page, response, errors, requests, context
+
+
+def test_an_incident_page_of_a_real_run_opens_offline_in_chromium(kafka_broker, make_topic, unique_name, tmp_path,
+                                                                  chromium):
+    topics = make_topics(make_topic)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract(), COLLAPSED.contract()])
+    env = monitor_env(kafka_broker.bootstrap, topics, unique_name("group"), tmp_path, join_ttl_s=2,
+                      reference_pins="scenario-lm@r2=r1", metrics_basic_auth_user=USER,
+                      metrics_basic_auth_password=PASSWORD)
+    for name in ("REFERENCE_TRACES", "MIN_EFFECT", "FALSE_ALARM_ARL"):  # the shipped defaults, not the harness's
+        env.pop(f"ATTENTION_MONITOR_{name}")
+    monitor = Monitor(env, tmp_path / "monitor.log")
+    try:
+        monitor.wait_ready()
+        send(kafka_broker.bootstrap, topics, HEALTHY, 110, seed=1, fail_every=10)  # the reference: 100 a layer
+        monitor.wait_until(lambda: monitor.value(series("attention_reference_ready", model="scenario-lm",
+                                                        revision="r1", layer="2")) == 1,
+                           timeout=60, what="r1's reference of layer 2 ready")
+        send(kafka_broker.bootstrap, topics, COLLAPSED, 12, seed=2, fail_every=2)
+        monitor.wait_until(lambda: monitor.value(series("attention_anomaly_outcomes_total", model="scenario-lm",
+                                                        revision="r2", layer="2", kind="low_diversity",
+                                                        outcome="failure")) >= 1,
+                           timeout=60, what="low-diversity findings on r2 layer 2 joined to their outcomes")
+
+        pages = tmp_path / "pages"
+        cli = [sys.executable, "-m", "monitor", "triage", "--html"]
+        run_env = {**os.environ, **env}
+        done = subprocess.run([*cli, str(pages)], env=run_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        incident_pages = [p for p in pages.iterdir() if p.name != "index.html"]
+        assert len(incident_pages) == 1 and "r2_layer-2_diversity" in incident_pages[0].name, done.stdout
+        healthy = tmp_path / "healthy.html"
+        done = subprocess.run([*cli, str(healthy), "--model", "scenario-lm", "--revision", "r1", "--layer", "2"],
+                              env=run_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "nothing to investigate" in done.stdout, done.stderr
+
+        url = incident_pages[0].as_uri()
+        page, _, errors, requests, context = open_page(chromium, url, tmp_path / "incident.png")
+        assert errors == [] and requests == [url]  # the document itself, nothing else
+        involved = set(page.locator("#involved [data-head]").all_inner_texts())
+        assert involved == COLLAPSED_HEADS
+        for name in ("this", "reference", "difference"):
+            heatmap = page.locator(f"#heatmap-{name}")
+            assert heatmap.count() == 1 and heatmap.bounding_box()["width"] > 50
+        labels = set(page.locator("#heatmaps svg text").evaluate_all("nodes => nodes.map(n => n.textContent)"))
+        assert {f"head-{h}" for h in range(8)} <= labels
+        assert page.locator("#timelines svg").count() == 1
+        assert page.locator('[data-field="model"]').inner_text() == "scenario-lm"
+        assert page.locator('[data-field="reference_revision"]').inner_text() == "r1"
+        assert page.locator("#policy").inner_text().count("pruning") == 1  # "not an automatic pruning command"
+        context.close()
+        assert (tmp_path / "incident.png").stat().st_size > 20_000
+
+        page, _, errors, requests, context = open_page(chromium, healthy.as_uri(), tmp_path / "healthy.png")
+        assert errors == [] and requests == [healthy.as_uri()]
+        assert "Nothing to investigate" in page.locator("#verdict").inner_text()
+        assert page.locator("svg").count() == 0
+        context.close()
+
+        served = f"http://127.0.0.1:{monitor.port}/triage/"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(served, timeout=30)
+        assert refused.value.code == 401  # the same basic auth as /metrics
+        page, response, errors, requests, context = open_page(
+            chromium, served, tmp_path / "served-index.png", http_credentials={"username": USER, "password": PASSWORD})
+        assert response.status == 200 and errors == []
+        assert "default-src 'none'" in response.headers["content-security-policy"]
+        page.locator("#incidents a").first.click()
+        page.wait_for_load_state("load")
+        assert "/triage/incident/" in page.url and errors == []
+        assert set(page.locator("#involved [data-head]").all_inner_texts()) == COLLAPSED_HEADS
+        page.screenshot(path=str(tmp_path / "served-incident.png"), full_page=True)
+        context.close()
+    finally:
+        monitor.process.stop()

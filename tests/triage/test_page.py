@@ -1,0 +1,154 @@
+"""The triage page from records the real detector and incident tracker made: what it
+names, what it draws, and that its numbers are the records' numbers."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+
+import pytest
+from scipy.stats import binomtest
+
+from monitor.core.detect import Detector, DetectorConfig
+from monitor.core.reference import LengthReference
+from monitor.triage import evidence, page, site
+from monitor.triage.evidence import wilson
+from tests.triage.cases import COLLAPSED_HEADS, records
+
+
+@pytest.fixture(scope="module")
+def collapsed():
+    recs = records()
+    incident = evidence.incidents(recs)[0]
+    return recs, incident, evidence.for_incident(recs, incident["incident_id"])
+
+
+class Cells(HTMLParser):
+    """Text of every element with a data-field, by the data-finding or data-group of its row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row: str | None = None
+        self.field: str | None = None
+        self.cells: dict[tuple[str | None, str], str] = {}
+        self.heads: list[str] = []
+        self._head = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr":
+            self.row = a.get("data-finding") or a.get("data-group")
+        if "data-field" in a:
+            self.field = a["data-field"]
+            self.cells[(self.row, self.field)] = ""
+        self._head = "data-head" in a
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "span"):
+            self.field = None
+        self._head = False
+
+    def handle_data(self, data):
+        if self.field is not None:
+            self.cells[(self.row, self.field)] += data
+        if self._head:
+            self.heads.append(data)
+
+
+def parse(html: str) -> Cells:
+    cells = Cells()
+    cells.feed(html)
+    return cells
+
+
+def test_a_collapse_names_its_heads_and_draws_them_against_the_reference(collapsed):
+    _, incident, case = collapsed
+    assert incident["family"] == "diversity" and incident["model_revision"] == "r2" and incident["layer"] == 2
+    assert set(case.involved) == COLLAPSED_HEADS
+    html = page.render(case)
+    cells = parse(html)
+    assert set(cells.heads) == COLLAPSED_HEADS
+    svg = html[html.index('<figure id="heatmaps">'):html.index("</figure>")]
+    assert all(f">head-{h}<" in svg for h in range(8))  # head ids on the axes, as text
+    outlined = set(re.findall(r'<g id="involved-(head-\d)-(head-\d)"', svg))
+    assert outlined == {(a, b) for a in COLLAPSED_HEADS for b in COLLAPSED_HEADS if a != b}
+    assert all(f'id="heatmap-{name}"' in svg for name in ("this", "reference", "difference"))
+    assert 'id="timelines"' in html
+    assert "prune" not in html.lower().replace("not an automatic pruning command", "")
+    assert "attention-monitor study" in html
+
+
+def test_the_pages_numbers_are_the_records_numbers(collapsed):
+    *_, case = collapsed
+    cells = parse(page.render(case))
+    strongest = case.strongest
+    assert strongest and len(strongest) <= evidence.STRONGEST
+    assert [r["effect_size"] for r in strongest] == sorted((r["effect_size"] for r in case.records), reverse=True)[
+        :len(strongest)]
+    for r in strongest:
+        row = f"{r['trace_id']} {r['kind']} {','.join(r['heads'])}"
+        assert float(cells.cells[(row, "value")]) == pytest.approx(r["value"], abs=5e-5)
+        assert float(cells.cells[(row, "reference")]) == pytest.approx(r["reference"], abs=5e-5)
+        assert float(cells.cells[(row, "effect_size")]) == pytest.approx(r["effect_size"], abs=5e-3)
+        assert float(cells.cells[(row, "score")]) == pytest.approx(r["score"], abs=5e-3)
+    assert int(cells.cells[(None, "anomalies")]) == len(case.records)
+    assert int(cells.cells[(None, "traces")]) == len({r["trace_id"] for r in case.records})
+    latest = case.latest["evidence"]
+    assert float(cells.cells[(None, "diversity")]) == pytest.approx(latest["diversity"]["value"], abs=5e-4)
+
+    outcome = {r["trace_id"]: r["outcome"] for r in case.records}
+    failures = sum(o == "failure" for o in outcome.values())
+    assert int(cells.cells[("anomalous", "failures")]) == failures
+    assert int(cells.cells[("anomalous", "joined")]) == len(outcome)
+    layer = max(case.records, key=lambda r: r["detected_at"])["layer_outcomes"]
+    assert int(cells.cells[("others", "joined")]) == layer["success"] + layer["failure"] - len(outcome)
+
+
+def test_a_healthy_layer_says_there_is_nothing_to_investigate(collapsed):
+    recs, _, _ = collapsed
+    case = evidence.for_layer(recs, "scenario-lm", "r1", 2)
+    assert case.healthy
+    html = page.render(case)
+    assert "Nothing to investigate" in html and "<svg" not in html
+
+
+def test_pages_are_self_contained():
+    html = page.render(evidence.for_incident(records(), evidence.incidents(records())[0]["incident_id"]))
+    assert not re.search(r"<(script|link|iframe|img)\b", html)
+    assert not re.search(r'(src|href)="(https?:)?//', html)
+    assert "@import" not in html and not re.search(r"url\((?!#)", html)  # only the SVG's own clip paths
+
+
+def test_the_site_routes_and_refuses_what_it_does_not_know(collapsed):
+    recs, incident, _ = collapsed
+    index = site.respond(recs, "", "")
+    assert page.incident_href(incident["incident_id"]) in index
+    assert "Incident " in site.respond(recs, page.incident_href(incident["incident_id"]), "")
+    assert "Nothing to investigate" in site.respond(recs, "layer", "model=scenario-lm&revision=r1&layer=0")
+    for path, query in (("incident/nope", ""), ("layer", "model=m"), ("layer", "model=m&revision=r&layer=x"),
+                        ("elsewhere", "")):
+        with pytest.raises(site.NotFound):
+            site.respond(recs, path, query)
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 5), (3, 10), (17, 40), (40, 40)])
+def test_failure_rate_intervals_are_wilsons(k, n):
+    expected = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    assert wilson(k, n) == pytest.approx((expected.low, expected.high), abs=1e-9)
+
+
+def test_the_reference_mean_matrix_survives_saving_and_merging():
+    ref = LengthReference(3)
+    ref.update_matrix([[1.0, 0.2], [0.2, 1.0]])
+    ref.update_matrix([[1.0, 0.4], [0.4, float("nan")]])
+    assert ref.mean_matrix()[0, 1] == pytest.approx(0.3) and ref.mean_matrix()[1, 1] == 1.0
+    again = LengthReference.from_dict(ref.to_dict())
+    assert (again.mean_matrix() == ref.mean_matrix()).all()
+    merged = ref.merge(again)
+    assert merged.matrix_n[0, 1] == 4 and merged.mean_matrix()[0, 1] == pytest.approx(0.3)
+    old = ref.to_dict()
+    del old["matrix"]  # a state saved before the triage page
+    assert LengthReference.from_dict(old).mean_matrix() is None
+    detector = Detector(DetectorConfig())
+    detector.merge_state({"version": 2, "references": [{"key": ["m", "r", 0], "reference": old}], "decisions": []})
+    assert detector.references[("m", "r", 0)].mean_matrix() is None
