@@ -1,10 +1,13 @@
-"""Builds the Grafana dashboards of the attention trace monitor as JSON files.
+"""Builds the Grafana dashboards of the attention trace monitor as JSON files, with
+Grafana's own typed builders (``grafana-foundation-sdk``, the release for Grafana 11):
 
     python dashboards/build.py          # rewrites dashboards/*.json
 
-The JSON is committed; tests/dashboards checks it equals what this script builds, that
+The JSON is committed; tests/alerting checks it equals what this script builds, that
 every panel has a unit, a description and a query on a real metric, and that every
-query returns data from a real Prometheus scraping a real monitor.
+query returns data from a real Prometheus scraping a real monitor. Panels link to the
+runbooks of their alerts and to the monitor's triage pages (``$monitor``: the URL at
+which browsers reach a monitor instance).
 """
 
 from __future__ import annotations
@@ -13,9 +16,38 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders.common import VizLegendOptions
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.dashboard import (
+    DataSourceRef,
+    GridPos,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+
 HERE = Path(__file__).resolve().parent
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SELECTOR = 'model=~"$model",revision=~"$revision",layer=~"$layer"'
+RUNBOOKS = "https://github.com/attention-monitor/attention-monitor/blob/main/alerts/runbooks/"
+#: where browsers reach a monitor instance (its /triage/ pages); a dashboard variable
+MONITOR_URL = "http://localhost:9464"
+TRIAGE_INDEX = "${monitor}/triage/"
+TRIAGE_LAYER = "${monitor}/triage/layer?model=${model}&revision=${revision}&layer=${layer}"
+#: a data link from a series that carries model, revision and layer labels to its layer's page
+TRIAGE_SERIES = ("${monitor}/triage/layer?model=${__field.labels.model}&revision=${__field.labels.revision}"
+                 "&layer=${__field.labels.layer}")
+
+
+def link(title: str, url: str) -> db.DashboardLink:
+    return db.DashboardLink(title).url(url).target_blank(True)
+
+
+def runbook(alert: str) -> db.DashboardLink:
+    return link(f"Runbook: {alert}", f"{RUNBOOKS}{alert}.md")
 
 
 def rate_ratio(metric: str, by: str, selector: str = SELECTOR) -> str:
@@ -25,67 +57,62 @@ def rate_ratio(metric: str, by: str, selector: str = SELECTOR) -> str:
 
 
 def panel(title: str, description: str, expr: str | list[tuple[str, str]], unit: str, legend: str = "", *, x: int,
-          y: int, w: int = 12,
-          h: int = 8, kind: str = "timeseries", minimum: float | None = None, maximum: float | None = None
-          ) -> dict[str, Any]:
+          y: int, w: int = 12, h: int = 8, kind: str = "timeseries", minimum: float | None = None,
+          maximum: float | None = None, links: tuple[db.DashboardLink, ...] = (), series_links: bool = False
+          ) -> Any:
+    """A panel of Prometheus queries; ``links`` are panel links, ``series_links`` adds a
+    data link from each series to its layer's triage page."""
     queries = [(expr, legend)] if isinstance(expr, str) else expr
-    defaults: dict[str, Any] = {"unit": unit}
+    built: Any = (timeseries.Panel() if kind == "timeseries" else stat.Panel())
+    built = (built.title(title).description(description).datasource(DATASOURCE).unit(unit)
+             .grid_pos(GridPos(x=x, y=y, w=w, h=h)))
+    if kind == "timeseries":
+        built = built.legend(VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
+                             .placement(LegendPlacement.BOTTOM))
     if minimum is not None:
-        defaults["min"] = minimum
+        built = built.min(minimum)
     if maximum is not None:
-        defaults["max"] = maximum
-    return {
-        "type": kind,
-        "title": title,
-        "description": description,
-        "datasource": DATASOURCE,
-        "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}} if kind == "timeseries" else {},
-        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": q, "legendFormat": lg}
-                    for i, (q, lg) in enumerate(queries)],
-    }
+        built = built.max(maximum)
+    for n, (query, legend_format) in enumerate(queries):
+        built = built.with_target(prometheus.Dataquery().expr(query).legend_format(legend_format)
+                                  .ref_id(chr(ord("A") + n)).datasource(DATASOURCE))
+    if links:
+        built = built.links(list(links))
+    if series_links:
+        built = built.data_links([link("Triage page of ${__field.labels.model} ${__field.labels.revision} layer "
+                                       "${__field.labels.layer}", TRIAGE_SERIES)])
+    return built
 
 
-def variable(name: str, query: str, label: str) -> dict[str, Any]:
-    return {
-        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-        "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
-        "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
-        "current": {"text": "All", "value": "$__all"}, "sort": 1,
-    }
+def variable(name: str, query: str, label: str) -> db.QueryVariable:
+    return (db.QueryVariable(name).label(label).datasource(DATASOURCE).query(query)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).include_all(True).multi(True).all_value(".*")
+            .current(VariableOption(text="All", value="$__all")).sort(VariableSort.ALPHABETICAL_ASC))
 
 
-def templating(with_layers: bool) -> dict[str, Any]:
-    items: list[dict[str, Any]] = [{
-        "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-        "current": {}, "hide": 0,
-    }]
-    items.append(variable("model", "label_values(attention_traces_total, model)", "Model"))
-    items.append(variable("revision", 'label_values(attention_traces_total{model=~"$model"}, revision)', "Revision"))
+def dashboard(uid: str, title: str, description: str, panels: list[Any], with_layers: bool = True) -> Any:
+    built = (db.Dashboard(title).uid(uid).description(description).tags(["attention-monitor"]).editable()
+             .timezone("").refresh("30s").time("now-6h", "now")
+             .with_variable(db.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+             .with_variable(variable("model", "label_values(attention_traces_total, model)", "Model"))
+             .with_variable(variable("revision", 'label_values(attention_traces_total{model=~"$model"}, revision)',
+                                     "Revision")))
     if with_layers:
-        items.append(variable("layer", 'label_values(attention_traces_total{model=~"$model",revision=~"$revision"}, '
-                                       "layer)", "Layer"))
-    return {"list": items}
-
-
-def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]], with_layers: bool = True
-              ) -> dict[str, Any]:
+        built = built.with_variable(variable(
+            "layer", 'label_values(attention_traces_total{model=~"$model",revision=~"$revision"}, layer)', "Layer"))
+    built = built.with_variable(db.TextBoxVariable("monitor").label("Monitor URL").default_value(MONITOR_URL)
+                                .description("Where your browser reaches a monitor instance, for its triage pages"))
+    built = built.link(link("Triage: incidents", TRIAGE_INDEX))
     for i, p in enumerate(panels, start=1):
-        p["id"] = i
-    return {
-        "id": None, "uid": uid, "title": title, "description": description, "tags": ["attention-monitor"],
-        "schemaVersion": 39, "version": 1, "editable": True, "timezone": "", "refresh": "30s",
-        "time": {"from": "now-6h", "to": "now"}, "templating": templating(with_layers),
-        "annotations": {"list": []}, "panels": panels,
-    }
+        built = built.with_panel(p.id(i))
+    return built
 
 
 POLICY = ("Anomalies are prompts for investigation, not pruning commands; head existence does not establish "
           "specialization (that needs task metrics plus controlled head ablation).")
 
 
-def fleet() -> dict[str, Any]:
+def fleet() -> Any:
     sel = 'model=~"$model",revision=~"$revision"'
     return dashboard("attention-fleet", "Attention — fleet overview", "Every model revision at a glance. " + POLICY, [
         panel("Traces processed", "Verified traces measured per second, by model revision.",
@@ -94,10 +121,17 @@ def fleet() -> dict[str, Any]:
         panel("Anomalies by kind", "Anomalies raised per second, by kind. " + POLICY,
               f"sum by (kind) (rate(attention_anomalies_total{{{sel}}}[$__rate_interval]))", "ops", "{{kind}}",
               x=12, y=0),
+        panel("Open incidents", "1 while an incident is open on a layer (diversity: its heads became alike; "
+              "head: some heads attend unlike their reference); the alerts page on these. Click a series for the "
+              "layer's triage page. " + POLICY,
+              f"max by (model, revision, layer, family) (attention_incident_open{{{sel}}})", "none",
+              "{{model}} {{revision}} layer {{layer}} {{family}}", x=0, y=8, minimum=0, maximum=1,
+              links=(link("Triage: incidents", TRIAGE_INDEX), runbook("AttentionLowHeadDiversity"),
+                     runbook("AttentionHeadPatternShift")), series_links=True),
         panel("Low-diversity share per layer", "Share of a layer's traces flagged low_diversity over 10 minutes "
-              "(the AttentionLowHeadDiversity alert fires above 5 %).",
+              "(evidence; the alert pages on the incident).",
               f'model_revision_layer_kind:attention_anomaly_ratio:rate10m{{kind="low_diversity",{sel}}}',
-              "percentunit", "{{model}} {{revision}} layer {{layer}}", x=0, y=8, minimum=0),
+              "percentunit", "{{model}} {{revision}} layer {{layer}}", x=0, y=24, minimum=0, series_links=True),
         panel("Mean head diversity", "1 − mean pairwise head similarity, averaged over layers and traces, by "
               "model revision. Lower: heads attend more alike.", rate_ratio("attention_layer_diversity",
                                                                             "model, revision", sel),
@@ -107,28 +141,32 @@ def fleet() -> dict[str, Any]:
               "association, not a cause.",
               "model_revision_layer_kind:attention_anomaly_failure_ratio:1h\n  / ignoring (kind) group_left\n"
               "model_revision_layer:attention_trace_failure_ratio:1h", "none",
-              "{{model}} {{revision}} layer {{layer}} {{kind}}", x=0, y=16, minimum=0),
+              "{{model}} {{revision}} layer {{layer}} {{kind}}", x=0, y=16, minimum=0,
+              links=(runbook("AttentionAnomalyOutcomeAssociation"),), series_links=True),
         panel("Outcomes of joined traces", "Joined traces per second by task outcome (missing: none within the "
               "join TTL).", f"sum by (outcome) (rate(attention_trace_outcomes_total{{{sel}}}[$__rate_interval]))",
               "ops", "{{outcome}}", x=12, y=16),
     ], with_layers=False)
 
 
-def drilldown() -> dict[str, Any]:
+def drilldown() -> Any:
     head_note = " Per-head series need the monitor's detail_level=head."
     return dashboard("attention-drilldown", "Attention — model drill-down",
                      "One model revision and layer: per-head entropy, concentration and sink share, layer "
                      "diversity, anomalies and outcomes. " + POLICY, [
         panel("Layer head diversity", "Mean over traces of 1 − mean pairwise Bhattacharyya similarity of the "
               "layer's heads.", rate_ratio("attention_layer_diversity", "model, revision, layer"), "percentunit",
-              "{{revision}} layer {{layer}}", x=0, y=0, minimum=0, maximum=1),
+              "{{revision}} layer {{layer}}", x=0, y=0, minimum=0, maximum=1,
+              links=(link("Triage page of this layer", TRIAGE_LAYER), runbook("AttentionLowHeadDiversity")),
+              series_links=True),
         panel("Effective heads", "Participation ratio H²/‖S‖² of the head similarity matrix: 1 when every head "
               "attends alike, H when all differ.", rate_ratio("attention_layer_effective_heads",
                                                              "model, revision, layer"), "none",
               "{{revision}} layer {{layer}}", x=12, y=0, minimum=1),
         panel("Per-head entropy", "Normalised attention entropy of each head (0: one key, 1: uniform)." + head_note,
               rate_ratio("attention_head_entropy", "head"), "percentunit", "{{head}}", x=0, y=8, w=8,
-              minimum=0, maximum=1),
+              minimum=0, maximum=1, links=(link("Triage page of this layer", TRIAGE_LAYER),
+                                           runbook("AttentionHeadPatternShift"))),
         panel("Per-head concentration", "Mean row maximum of each head (near 1: near one-hot; healthy for some "
               "heads)." + head_note, rate_ratio("attention_head_concentration", "head"), "percentunit", "{{head}}",
               x=8, y=8, w=8, minimum=0, maximum=1),
@@ -140,38 +178,42 @@ def drilldown() -> dict[str, Any]:
                for m in ("entropy", "concentration", "sink_share")], "percentunit", x=0, y=16, minimum=0, maximum=1),
         panel("Anomalies by kind", "Anomalies raised per second for this layer. " + POLICY,
               f"sum by (kind) (rate(attention_anomalies_total{{{SELECTOR}}}[$__rate_interval]))", "ops", "{{kind}}",
-              x=12, y=16),
+              x=12, y=16, links=(link("Triage page of this layer", TRIAGE_LAYER),)),
         panel("Outcomes of anomalous traces", "Joined anomalous traces per second, by task outcome.",
               f"sum by (kind, outcome) (rate(attention_anomaly_outcomes_total{{{SELECTOR}}}[$__rate_interval]))",
               "ops", "{{kind}} {{outcome}}", x=0, y=24, w=24),
     ])
 
 
-def service() -> dict[str, Any]:
+def service() -> Any:
     return dashboard("attention-service", "Attention — monitor service health",
                      "The monitor itself: consumption, rejections, latency, lag, join state.", [
         panel("Up", "Whether Prometheus can scrape each monitor instance.", 'up{job="attention-monitor"}', "none",
-              "{{instance}}", x=0, y=0, w=6, kind="stat"),
+              "{{instance}}", x=0, y=0, w=6, kind="stat", links=(runbook("AttentionMonitorDown"),)),
         panel("Traces consumed", "Trace records read from Kafka per second.",
               "sum(rate(attention_monitor_traces_consumed_total[$__rate_interval]))", "ops", "consumed",
               x=6, y=0, w=9),
         panel("Rejections by reason", "Trace records refused per second, by reason (dead-lettered without "
               "weights).", "sum by (reason) (rate(attention_monitor_traces_rejected_total[$__rate_interval]))",
-              "ops", "{{reason}}", x=15, y=0, w=9),
+              "ops", "{{reason}}", x=15, y=0, w=9,
+              links=(runbook("AttentionRejectionsHigh"), runbook("AttentionSignatureOrScopeRejections"))),
         panel("Processing time p99", "99th percentile of the time to verify and measure one trace.",
               "histogram_quantile(0.99, sum by (le) (rate(attention_monitor_processing_seconds_bucket"
               "[$__rate_interval])))", "s", "p99", x=0, y=8, w=8),
         panel("Consumer lag", "Trace records behind the end of the assigned partitions.",
-              "sum(attention_monitor_consumer_lag_records)", "short", "lag", x=8, y=8, w=8),
+              "sum(attention_monitor_consumer_lag_records)", "short", "lag", x=8, y=8, w=8,
+              links=(runbook("AttentionConsumerLagHigh"),)),
         panel("Time since last trace", "Seconds since any instance processed a verified trace.",
-              "time() - max(attention_monitor_last_trace_timestamp_seconds)", "s", "age", x=16, y=8, w=8),
+              "time() - max(attention_monitor_last_trace_timestamp_seconds)", "s", "age", x=16, y=8, w=8,
+              links=(runbook("AttentionTracesAbsent"), runbook("AttentionTracesStalled"))),
         panel("Join buffer", "Traces and outcomes waiting to be joined.", "sum(attention_monitor_join_entries)",
               "short", "entries", x=0, y=16, w=8),
         panel("Join evictions", "Join entries evicted per second, by cause (ttl: no outcome in time).",
               "sum by (reason) (rate(attention_monitor_join_evictions_total[$__rate_interval]))", "ops",
               "{{reason}}", x=8, y=16, w=8),
         panel("Label overflow", "Traces labelled model=\"other\" in the last hour (label cap reached).",
-              "sum(increase(attention_monitor_label_overflow_total[1h]))", "short", "overflow", x=16, y=16, w=8),
+              "sum(increase(attention_monitor_label_overflow_total[1h]))", "short", "overflow", x=16, y=16, w=8,
+              links=(runbook("AttentionLabelOverflow"),)),
     ], with_layers=False)
 
 
@@ -179,7 +221,7 @@ DASHBOARDS = {"fleet.json": fleet, "drilldown.json": drilldown, "service.json": 
 
 
 def render(build: Any) -> str:
-    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(build().build(), cls=JSONEncoder, indent=2, ensure_ascii=False) + "\n"
 
 
 def main() -> None:

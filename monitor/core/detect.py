@@ -187,15 +187,20 @@ def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 #: a pair of heads counts as converging when its similarity rose this much above the
-#: reference's mean matrix, and by at least half the largest rise of the layer
+#: reference's mean matrix, by at least half the largest rise of the layer, and the two
+#: attend nearly alike now (the reference matrix is a mean over all lengths, so a rise
+#: alone also catches pairs that are merely more alike on short traces)
 PAIR_RISE = 0.2
+PAIR_COPY = 0.9
 
 
-def _rising_pairs(similarity: NDArray[np.float64], reference: NDArray[np.float64] | None) -> set[int]:
-    """Heads of the pairs whose similarity rose most above the reference's mean matrix: a
-    group of heads turning into copies of each other, even when some of them already had
-    a near twin (so their nearest-neighbour similarity hardly moved)."""
-    if reference is None or reference.shape != similarity.shape or similarity.shape[0] < 2:
+def _joined_heads(similarity: NDArray[np.float64], reference: NDArray[np.float64] | None,
+                  core: set[int]) -> set[int]:
+    """Heads that became near copies of a head of ``core`` (those the nearest-neighbour
+    streams name), their pair's similarity risen most above the reference's mean matrix:
+    a group of heads turning into copies, even when some of them already had a near twin
+    (so their own nearest-neighbour similarity hardly moved)."""
+    if not core or reference is None or reference.shape != similarity.shape or similarity.shape[0] < 2:
         return set()
     with np.errstate(invalid="ignore"):
         rise = np.where(np.eye(similarity.shape[0], dtype=bool), np.nan, similarity - reference)
@@ -205,8 +210,9 @@ def _rising_pairs(similarity: NDArray[np.float64], reference: NDArray[np.float64
     if top < PAIR_RISE:
         return set()
     with np.errstate(invalid="ignore"):
-        rows, cols = np.nonzero(rise >= max(PAIR_RISE, top / 2))
-    return {int(i) for i in (*rows, *cols)}
+        pairs = (rise >= max(PAIR_RISE, top / 2)) & (similarity >= PAIR_COPY)
+    members = sorted(core)
+    return {int(i) for i in np.flatnonzero(pairs[:, members].any(axis=1))}
 
 
 class Detector:
@@ -336,8 +342,9 @@ class Detector:
         found = []
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
-            rising = _rising_pairs(obs.similarity, ref.mean_matrix())
-            named = [obs.heads[i] for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z or i in rising]
+            core = {i for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z}
+            joined = _joined_heads(obs.similarity, ref.mean_matrix(), core)
+            named = [obs.heads[i] for i in range(h) if i in core or (i in joined and z[1 + i] >= 0)]
             heads = tuple(named) or self._converging_heads(obs.heads, z, h)
             score = float(s[: 1 + h][hit[: 1 + h]].max())
             found.append(Anomaly("low_diversity", obs.layer, heads, obs.diversity, float(mean[0]), float(z[strongest]),

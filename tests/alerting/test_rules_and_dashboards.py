@@ -114,7 +114,7 @@ def test_dashboards_are_what_build_py_builds():
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_dashboard_conventions(path):
     doc = json.loads(path.read_text())
-    assert doc["id"] is None and re.fullmatch(r"attention-[a-z]+", doc["uid"])
+    assert doc.get("id") is None and re.fullmatch(r"attention-[a-z]+", doc["uid"])
     variables = {v["name"]: v for v in doc["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert {"model", "revision"} <= variables.keys()
@@ -128,6 +128,29 @@ def test_dashboard_conventions(path):
             assert target["datasource"]["uid"] == "${datasource}", title
             for window in re.findall(r"\b(?:rate|irate)\([^\[]*\[([^\]]+)\]", target["expr"]):
                 assert window == "$__rate_interval", f"{title}: rate over {window}"
+
+
+def test_panel_links_reach_runbooks_that_exist_and_the_triage_pages():
+    runbooks = {p.stem for p in (REPO / "alerts" / "runbooks").glob("*.md")}
+    linked_runbooks, triage = set(), []
+    for path in DASHBOARDS:
+        doc = json.loads(path.read_text())
+        assert "monitor" in {v["name"] for v in doc["templating"]["list"]}, path.name
+        assert any(link["url"] == "${monitor}/triage/" for link in doc["links"]), path.name
+        for panel in doc["panels"]:
+            urls = [link["url"] for link in panel.get("links", [])]
+            urls += [link["url"] for link in panel["fieldConfig"]["defaults"].get("links", [])]
+            for url in urls:
+                if "/alerts/runbooks/" in url:
+                    linked_runbooks.add(url.rsplit("/", 1)[-1].removesuffix(".md"))
+                else:
+                    assert url.startswith("${monitor}/triage/"), (path.name, panel["title"], url)
+                    triage.append(url)
+    assert linked_runbooks <= runbooks, linked_runbooks - runbooks
+    assert {"AttentionLowHeadDiversity", "AttentionHeadPatternShift", "AttentionAnomalyOutcomeAssociation"} \
+        <= linked_runbooks
+    assert "${monitor}/triage/layer?model=${model}&revision=${revision}&layer=${layer}" in triage
+    assert any("${__field.labels.layer}" in url for url in triage)  # series link to their own layer
 
 
 def test_drilldown_has_per_head_panels_and_layer_variable():
