@@ -19,8 +19,8 @@ RANKS: list[set[str]] = [
     {"core"},
     {"routing", "errors", "records", "topics", "memory", "health"},
     {"wire", "schema", "model_contract", "references"},
-    {"access", "deadletter", "findings", "triage", "checkpoint", "exporter", "http", "ring", "state_file",
-     "assignment"},
+    {"access", "deadletter", "findings", "triage", "study", "checkpoint", "exporter", "http", "ring",
+     "state_file", "assignment"},
     {"codec"},
     {"settings", "measure"},
     {"measuring", "broker"},
@@ -31,7 +31,7 @@ RANKS: list[set[str]] = [
     {"cli"},
     {"__main__"},
 ]
-PACKAGES = {"core", "routing", "broker", "tools", "integrations", "triage", "cli"}
+PACKAGES = {"core", "routing", "broker", "tools", "integrations", "triage", "study", "cli"}
 ONLY_HERE = {"kafka": "broker", "torch": "integrations", "transformers": "integrations"}
 
 

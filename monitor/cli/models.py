@@ -101,3 +101,92 @@ def contract_derive(
         typer.echo(f"contract_id={model.contract_id} written to {output}")
     else:
         typer.echo(text)
+
+
+MODEL_CLASSES = {"accuracy": "AutoModelForSequenceClassification", "loglik": "AutoModelForCausalLM",
+                 "retrieval": "AutoModel"}
+
+
+@app.command()
+def study(
+    models: Annotated[list[str], typer.Argument(help="model directories (or hub ids already cached): each is one "
+                                                "checkpoint or revision; the study repeats on each")],
+    eval_set: Annotated[Path, typer.Option("--eval", help="JSONL evaluation set: per line 'text' (or 'input_ids') "
+                                           "and what the metric needs ('label', 'labels', 'candidates')")],
+    heads: Annotated[list[str], typer.Option("--heads", help="a head set under study, as LAYER.HEAD list "
+                                             "('2.3,2.4') or as incidents name them ('2:head-3'); repeatable")],
+    metric: Annotated[str, typer.Option(help="accuracy (sequence classification), loglik (causal LM), retrieval "
+                                        "(embedding model: 'candidates' and 'label'), or module:function")]
+    = "accuracy",
+    seeds: Annotated[str, typer.Option(help="comma-separated seeds: each repeat splits, draws controls and "
+                                       "resamples anew")] = "0,1,2",
+    mode: Annotated[str, typer.Option(help="mean: a head's output becomes its mean over the selection split; "
+                                      "zero: it becomes zero")] = "mean",
+    controls: Annotated[int, typer.Option(min=2, help="draws per control family (random, magnitude-matched)")] = 20,
+    holdout: Annotated[float, typer.Option(min=0.05, max=0.95, help="share of examples held out for the "
+                                           "verdict")] = 0.5,
+    resamples: Annotated[int, typer.Option(min=100, help="bootstrap resamples")] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory for result.json, report.html and the "
+                                         "scores that let an interrupted study resume")] = Path("study"),
+    progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
+) -> None:
+    """A controlled head-ablation study: does ablating these heads hurt the task more
+    than ablating random heads and heads of the same output magnitude?
+
+    On held-out examples, with bootstrap intervals, repeated over seeds and models.
+    Verdict per head set: ESTABLISHED only when every repeat agrees, else
+    NOT_ESTABLISHED with the reason. Evidence about what heads do; never a
+    recommendation to prune. Needs the transformers extra. docs/study.md explains.
+    """
+    try:
+        from monitor.integrations.study import EvalSet, StudyConfig, load_metric, run_study
+        from monitor.study.design import parse_heads
+        from monitor.study.report import render
+    except ImportError as exc:
+        typer.echo(f"error: the study needs torch and transformers: pip install 'attention-monitor[transformers]' "
+                   f"({exc})", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    try:
+        head_sets = tuple(parse_heads(text) for text in heads)
+        seed_list = tuple(int(s) for s in seeds.split(",") if s.strip())
+        if mode not in ("mean", "zero"):
+            raise ValueError(f"--mode must be mean or zero, got {mode!r}")
+        score = load_metric(metric)
+        evalset = EvalSet.load(eval_set)
+        if not seed_list:
+            raise ValueError("give at least one seed")
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    import transformers
+
+    loader = getattr(transformers, MODEL_CLASSES.get(metric, "AutoModel"))
+    checkpoints = []
+    tokenizer = None
+    for path in models:
+        try:
+            checkpoints.append((Path(path).name or path, loader.from_pretrained(path)))
+        except (OSError, ValueError) as exc:
+            typer.echo(f"error: cannot load {path}: {exc}", err=True)
+            raise typer.Exit(EXIT_USAGE) from exc
+        if tokenizer is None:
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError) as exc:  # fine when every example gives input_ids
+                if any("input_ids" not in row for row in evalset.rows):
+                    typer.echo(f"error: examples with 'text' need a tokenizer, and {path} has none: {exc}", err=True)
+                    raise typer.Exit(EXIT_USAGE) from exc
+    config = StudyConfig(head_sets, seed_list, mode, controls, holdout=holdout, resamples=resamples,  # type: ignore[arg-type]
+                         batch_size=batch_size)
+    try:
+        result = run_study(checkpoints, tokenizer, evalset, metric, config, metric=score, cache_dir=output,
+                           progress=progress).to_dict()
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    (output / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (output / "report.html").write_text(render(result))
+    for head_set in result["head_sets"]:
+        typer.echo(f"{', '.join(head_set['heads'])}: {head_set['verdict']} — {head_set['reasons'][0]}")
+    typer.echo(f"wrote {output / 'result.json'} and {output / 'report.html'} ({result['seconds']} s)")

@@ -13,11 +13,10 @@ implementation it runs (sdpa, eager, flash), without changing its outputs.
         outputs = model(**inputs)
     tap.detach()                              # flushes; the model's own attention again
 
-How it works. transformers routes every modern model's attention through
-``AttentionInterface``: :func:`attach` registers a function there that calls the
-implementation the model was loaded with, unchanged, and returns its output; the model's
-mask function is registered under the same name, so the wrapped implementation sees the
-very mask it would see untapped. For sampled requests only, the wrapper then recomputes
+How it works. :func:`attach` wraps the model's attention
+(:class:`~monitor.integrations.attention_wrapper.AttentionWrapper`): the implementation
+the model was loaded with runs unchanged and its output is returned as is, with the very
+mask it would see untapped. For sampled requests only, the wrapper then recomputes
 the attention weights of ``rows`` sampled query rows per head from the query and key
 states it received (after RoPE; KV heads repeated for GQA/MQA), with the model's scaling,
 its mask (causal, padding, sliding window; the module's ``is_causal`` when the
@@ -38,10 +37,8 @@ import contextlib
 import contextvars
 import hashlib
 import inspect
-import itertools
 import logging
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -51,10 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from monitor.integrations.attention_wrapper import AttentionWrapper
 from monitor.integrations.hf_contract import contract_from_config, weights_revision
 from monitor.integrations.sender import Sender, TapCounts
 from monitor.model_contract import ModelContract
@@ -64,7 +59,6 @@ __all__ = ["AttentionTap", "TapCounts", "attach", "contract_from_config", "weigh
 
 log = logging.getLogger(__name__)
 Sink = Callable[[TraceHeader, NDArray[np.float16]], Any]
-_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -107,7 +101,7 @@ class _Capture:
     weights: NDArray[np.float16]  #: [S, H, R, K]
 
 
-class AttentionTap:
+class AttentionTap(AttentionWrapper):
     """See the module documentation; made by :func:`attach`."""
 
     def __init__(self, model: Any, sink: Sink | Any, *, rows: int, sample_rate: float, layers: Sequence[int] | None,
@@ -120,7 +114,6 @@ class AttentionTap:
         self.model = model
         self.rows, self.sample_rate, self.seed = rows, sample_rate, seed
         self.scope, self.producer_id = scope, producer_id
-        self._original_name = model.config._attn_implementation
         self._contract = contract_from_config(
             model.config, model_id or getattr(model.config, "name_or_path", None) or type(model).__name__,
             revision or weights_revision(model), scale=_module_scale(model))
@@ -140,15 +133,9 @@ class AttentionTap:
             for layer in self._contract.layers}
         send = sink.send if hasattr(sink, "send") else sink
         self._sender = Sender(lambda trace: send(*trace), queue_size, self._traces)
-        self._eager: dict[type, Callable[..., Any]] = {}
-        self._layer_of: dict[int, int] = {}
-        self.name = f"attention-monitor-tap-{next(_ids)}"
-        AttentionInterface.register(self.name, self._attention)
-        AttentionMaskInterface.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[self._original_name])
         self._hook = model.register_forward_pre_hook(self._remember_padding, with_kwargs=True)
         self._forward = inspect.signature(model.forward)
-        self.attached = True
-        model.set_attn_implementation(self.name)
+        super().__init__(model, "attention-monitor-tap")
 
     # --- the model owner's verbs ------------------------------------------------------
 
@@ -193,8 +180,7 @@ class AttentionTap:
     def detach(self, timeout: float | None = None) -> TapCounts:
         """Flush, restore the model's own attention implementation and log the counts."""
         if self.attached:
-            self.attached = False
-            self.model.set_attn_implementation(self._original_name)
+            self.restore()
             self._hook.remove()
             self._sender.close(timeout)
             log.info("attention tap detached from %s: %s", self._contract.model_id, self.counts.line())
@@ -213,11 +199,14 @@ class AttentionTap:
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             state.padding = mask.detach()
 
-    def _attention(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        output = self._implementation(module)(module, query, key, value, attention_mask, *args, **kwargs)
+    @property
+    def attached(self) -> bool:
+        return self.installed
+
+    def around(self, module: Any, output: Any, query: torch.Tensor, key: torch.Tensor,
+               attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
         state = _ACTIVE.get()
-        if state is not None and state.tap is self and any(state.sampled) and self.attached:
+        if state is not None and state.tap is self and any(state.sampled):
             try:
                 self._capture(state, module, query, key, attention_mask, kwargs)
             except Exception as exc:  # the tap never breaks the forward pass
@@ -225,31 +214,9 @@ class AttentionTap:
                 log.warning("attention tap: capturing failed: %s: %s", type(exc).__name__, exc)
         return output
 
-    def _implementation(self, module: Any) -> Callable[..., Any]:
-        if self._original_name != "eager":
-            return ALL_ATTENTION_FUNCTIONS[self._original_name]  # type: ignore[no-any-return]
-        cls = type(module)
-        if cls not in self._eager:
-            function = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
-            if function is None:
-                raise RuntimeError(f"{cls.__module__} has no eager_attention_forward to wrap; load the model with "
-                                   "attn_implementation='sdpa'")
-            self._eager[cls] = function
-        return self._eager[cls]
-
-    def _layer(self, module: Any) -> int:
-        number = self._layer_of.get(id(module))
-        if number is None:
-            index = getattr(module, "layer_idx", None)
-            if not isinstance(index, int):
-                same = [m for m in self.model.modules() if type(m) is type(module)]
-                index = next(i for i, m in enumerate(same) if m is module)
-            number = self._layer_of[id(module)] = index
-        return number
-
     def _capture(self, state: _Request, module: Any, query: torch.Tensor, key: torch.Tensor,
                  mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
-        layer = self._layer(module)
+        layer = self.layer(module)
         batch, heads, q_len, _ = query.shape
         k_len = key.shape[2]
         if layer not in self.layers or layer in state.traced or q_len < 2 or heads % max(key.shape[1], 1):
