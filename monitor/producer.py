@@ -6,6 +6,9 @@ The wire format is in ``docs/wire-format.md``; the transformers integration
 (:mod:`monitor.integrations.transformers`) builds headers and contracts from a live model.
 """
 
+from pathlib import Path
+
+from monitor.access import Keyring
 from monitor.broker.producer import TraceProducer
 from monitor.codec import encode
 from monitor.model_contract import LayerContract, ModelContract
@@ -22,4 +25,14 @@ __all__ = [
            "TraceHeader",
            "TraceProducer",
            "encode",
+           "signing_secret",
 ]
+
+
+def signing_secret(keyring_file: str | Path, key_id: str) -> bytes:
+    """The secret of ``key_id`` in a keyring file (as ``attention-monitor keyring new``
+    writes it); a model server signs its traces with it."""
+    secret = Keyring.from_file(Path(keyring_file)).secret(key_id)
+    if secret is None:
+        raise KeyError(f"no key {key_id!r} in {keyring_file}")
+    return secret

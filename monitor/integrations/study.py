@@ -124,10 +124,13 @@ def retrieval(model: Any, tokenizer: Any, rows: Rows, temperature: float = 0.05)
         mask = encoded["attention_mask"][:, :, None].to(hidden.dtype)
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
-    scores = []
+    texts = [t for r in rows for t in (r["text"], *r["candidates"])]
+    vectors = embed(texts)  # the batch's queries and candidates in one forward pass
+    scores, at = [], 0
     for r in rows:
-        vectors = embed([r["text"], *r["candidates"]])
-        logits = (vectors[1:] @ vectors[0]) / temperature
+        query, candidates = vectors[at], vectors[at + 1: at + 1 + len(r["candidates"])]
+        at += 1 + len(r["candidates"])
+        logits = (candidates @ query) / temperature
         scores.append(float(torch.log_softmax(logits, dim=0)[int(r["label"])]))
     return scores
 
