@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.study.topics import examples  # noqa: E402
-from monitor.integrations.ablation import HeadAblation  # noqa: E402
-from monitor.integrations.study import EvalSet, StudyConfig, layout, retrieval, run_study  # noqa: E402
-from monitor.study.design import head_name  # noqa: E402
+from benchmarks.study.topics import examples
+from monitor.integrations.ablation import HeadAblation
+from monitor.integrations.study import EvalSet, StudyConfig, layout, retrieval, run_study
+from monitor.study.design import head_name
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
     eval_path.write_text("".join(json.dumps(r) + "\n" for r in examples(args.examples, seed=2)))
     head_sets = ((ranked[0],), tuple(sorted(ranked[:3])), (ranked[len(ranked) // 2],))
     config = StudyConfig(head_sets, tuple(int(s) for s in args.seeds.split(",")), controls=args.controls,
-                         batch_size=32)
+                         batch_size=args.examples)  # one call: each distinct sentence embedded once
     result = run_study([("all-MiniLM-L6-v2", model)], tokenizer, EvalSet.load(eval_path), "retrieval", config,
                        cache_dir=args.output)
     for r in result.results:

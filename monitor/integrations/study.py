@@ -124,12 +124,12 @@ def retrieval(model: Any, tokenizer: Any, rows: Rows, temperature: float = 0.05)
         mask = encoded["attention_mask"][:, :, None].to(hidden.dtype)
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
-    texts = [t for r in rows for t in (r["text"], *r["candidates"])]
-    vectors = embed(texts)  # the batch's queries and candidates in one forward pass
-    scores, at = [], 0
+    unique = sorted({t for r in rows for t in (r["text"], *r["candidates"])})
+    index = {t: i for i, t in enumerate(unique)}
+    vectors = embed(unique)  # every distinct text of the batch once, in one forward pass
+    scores = []
     for r in rows:
-        query, candidates = vectors[at], vectors[at + 1: at + 1 + len(r["candidates"])]
-        at += 1 + len(r["candidates"])
+        query, candidates = vectors[index[r["text"]]], vectors[[index[c] for c in r["candidates"]]]
         logits = (candidates @ query) / temperature
         scores.append(float(torch.log_softmax(logits, dim=0)[int(r["label"])]))
     return scores
