@@ -157,6 +157,8 @@ class MonitorMetrics:
         for reason in ("aborted", "stalled", "group_moved", "fenced"):
             self.output_failures.labels(reason)
         self._layers: dict[tuple[tuple[str, str], int | str], LayerSeries] = {}
+        self.measuring_processes = Gauge(f"{s}measuring_processes", "Child processes measuring traces (0: a thread "
+                                         "of the service's own process).", registry=r)
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):

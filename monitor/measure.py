@@ -6,8 +6,11 @@ keeps consuming (:mod:`monitor.measuring`). Its results are small picklable valu
 trace's identity and metrics, the anomalies it raised, or why it was rejected. Never
 weights.
 
-The :class:`Measurer` owns the de-duplication window (so the detector never sees a trace
-twice) and the detector's references.
+Measuring is two steps. :meth:`Measurer.observe` decodes, verifies and measures: it
+depends on nothing but the record and the contracts, so several processes may share it.
+:meth:`Measurer.judge` then takes the observed traces in record order, skips those seen
+before (the de-duplication window) and runs the detector, whose references depend on
+that order. :meth:`Measurer.measure` is both, in one place.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, Trace, check_mass, check_values, decode
@@ -52,6 +56,21 @@ class Measured:
     @property
     def anomalies(self) -> list[Anomaly]:
         return self.verdict.anomalies
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A verified, measured trace not yet judged: what the detector needs, no weights."""
+
+    identity: dict[str, Any]
+    heads: tuple[str, ...]
+    entropy: NDArray[np.float64]
+    concentration: NDArray[np.float64]
+    sink_share: NDArray[np.float64]
+    similarity: NDArray[np.float64]
+    diversity: float
+    effective_heads: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -109,11 +128,14 @@ class Measurer:
         self._scratch = Scratch()
 
     def measure(self, records: list[Record]) -> list[Result]:
-        """Results in record order; never raises for anything a producer can send.
+        """Results in record order; never raises for anything a producer can send."""
+        return self.judge(self.observe(records))
+
+    def observe(self, records: list[Record]) -> list[Observed | Rejected]:
+        """Decode, verify and measure, in record order; depends on no earlier record.
         Traces of the same shape are measured as one batch (the metrics core is batched:
-        per-call overhead is shared); everything else, de-duplication and the detector
-        included, goes trace by trace, in order."""
-        results: list[Result | None] = [None] * len(records)
+        per-call overhead is shared)."""
+        results: list[Observed | Rejected | None] = [None] * len(records)
         accepted: list[tuple[int, Trace, float]] = []
         for i, record in enumerate(records):
             started = time.perf_counter()
@@ -124,22 +146,46 @@ class Measurer:
                 results[i] = outcome
         measured = self._metrics([trace for _, trace, _ in accepted])
         for (i, trace, spent), (metrics, shared) in zip(accepted, measured, strict=True):
-            results[i] = self._judge(records[i], trace, metrics, spent + shared)
+            results[i] = self._checked(records[i], trace, metrics, spent + shared)
         return [r for r in results if r is not None]
 
-    def _decode(self, record: Record) -> Trace | Rejected | Duplicate:
+    def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
+        """De-duplicate and run the detector, in the order given (record order)."""
+        out: list[Result] = []
+        for item in observed:
+            if isinstance(item, Rejected):
+                out.append(item)
+                continue
+            trace_id = item.identity["trace_id"]
+            if not self.recent.add(("trace", trace_id)):
+                out.append(Duplicate(trace_id))
+                continue
+            started = time.perf_counter()
+            ident = item.identity
+            try:
+                verdict = self.detector.observe(Observation(
+                    ident["model_id"], ident["model_revision"], ident["layer"], ident["key_count"], item.heads,
+                    item.entropy, item.concentration, item.sink_share, item.similarity, item.diversity))
+            except Exception as exc:  # a verified record must not stop the partition either
+                log.error("judging %s failed unexpectedly", trace_id, exc_info=exc)
+                out.append(Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None))
+                continue
+            for event in verdict.events:
+                log.info("%s", event)
+            out.append(Measured(ident, item.heads, item.entropy.tolist(), item.concentration.tolist(),
+                                item.sink_share.tolist(), item.diversity, item.effective_heads,
+                                item.seconds + time.perf_counter() - started, verdict))
+        return out
+
+    def _decode(self, record: Record) -> Trace | Rejected:
         try:
-            trace = decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
-                           contracts=self.contracts.get, limits=self.limits, check_mass=False,
-                           check_values=False)
+            return decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
+                          contracts=self.contracts.get, limits=self.limits, check_mass=False, check_values=False)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:
             log.exception("decode failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None)
-        if not self.recent.add(("trace", trace.header.trace_id)):
-            return Duplicate(trace.header.trace_id)
-        return trace
 
     def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float]]:
         """Each trace's metrics (or the error measuring it raised) and its share of the
@@ -170,19 +216,26 @@ class Measurer:
                 out[j] = (metrics, share)
         return out
 
-    def _judge(self, record: Record, trace: Trace, metrics: HeadMetrics | Exception, spent: float) -> Result:
+    def _checked(self, record: Record, trace: Trace, metrics: HeadMetrics | Exception,
+                 spent: float) -> Observed | Rejected:
+        """The trace's metrics after decode's last checks (on this pass's sums)."""
         started = time.perf_counter()
         try:
             if isinstance(metrics, Exception):
                 check_values(trace)  # weights the core refused: say which fault, as decode would
                 raise metrics
-            return self._measure(record, trace, metrics, spent, started)
+            assert metrics.row_mass is not None and metrics.hidden_mass is not None
+            check_mass(trace, metrics.row_mass, metrics.hidden_mass, self.limits)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:  # a verified record must not stop the partition either
             log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
                       exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
+        m = metrics
+        return Observed(trace_identity(trace, record), tuple(trace.header.heads), m.entropy, m.concentration,
+                        m.sink_share, m.similarity, float(m.diversity), float(m.effective_heads),
+                        spent + time.perf_counter() - started)
 
     def remember(self, trace_ids: list[str]) -> None:
         """Treat these traces as processed already (their outputs were read back)."""
@@ -215,20 +268,6 @@ class Measurer:
         for contract in contracts:
             table.add(contract)
         self.contracts = table
-
-    def _measure(self, record: Record, trace: Trace, m: HeadMetrics, spent: float, started: float) -> Measured:
-        """Judge a measured trace; ``spent`` is its share of the time before ``started``."""
-        h = trace.header
-        assert m.row_mass is not None and m.hidden_mass is not None
-        check_mass(trace, m.row_mass, m.hidden_mass, self.limits)  # decode's last checks, on this pass's sums
-        verdict = self.detector.observe(Observation(
-            h.model_id, h.model_revision, h.layer, h.key_count, h.heads, m.entropy, m.concentration,
-            m.sink_share, m.similarity, float(m.diversity)))
-        for event in verdict.events:
-            log.info("%s", event)
-        return Measured(trace_identity(trace, record), tuple(h.heads), m.entropy.tolist(), m.concentration.tolist(),
-                        m.sink_share.tolist(), float(m.diversity), float(m.effective_heads),
-                        spent + time.perf_counter() - started, verdict)
 
 
 def _split(m: HeadMetrics) -> list[HeadMetrics]:

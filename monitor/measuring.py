@@ -1,4 +1,4 @@
-"""Where measuring runs beside the consumer: a thread, or a child process.
+"""Where measuring runs beside the consumer: a thread, or child processes.
 
 kafka-python's fetching and record parsing and the :class:`~monitor.measure.Measurer`
 (decode, metrics, detection) are all Python; in one process they take turns on one
@@ -10,6 +10,13 @@ one; a :class:`MeasuringThread` runs it in a thread of the service's own process
 Both take the same :class:`Command` values, executed one after the other in submission
 order by a single worker, so the measurer sees exactly the sequence an in-process one
 would. Results come back as :mod:`monitor.measure` values, never weights.
+
+With several children (``MEASURE_PROCESSES`` > 1), chunks of records are *observed*
+(decoded, verified, measured: :meth:`~monitor.measure.Measurer.observe`, which depends
+on no other record) by the children in turn, and *judged* (de-duplication and the
+detector) by the first child, in submission order: a dispatcher thread sends each
+chunk's observations on once every earlier chunk and command has gone, so the detector
+sees exactly the sequence one process would, and the results are the same.
 
 The child talks over two plain pipes, read by one thread on each side; no named
 semaphores are involved (``ProcessPoolExecutor`` would create five in /dev/shm, left
@@ -64,6 +71,9 @@ class Command(Enum):
 
     MEASURE = "measure"  #: (records,) → results
     MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
+    OBSERVE = "observe"  #: (records,) → observed (decoded, verified, measured; not judged)
+    OBSERVE_PLACED = "observe_placed"  #: (placed records in the ring,) → observed
+    JUDGE = "judge"  #: (observed,) → results
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
     DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
@@ -82,6 +92,15 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
             raise ValueError("records placed in a ring, but there is no ring here")
         return measurer.measure([Record(topic, partition, offset, None, ring[start : start + length])
                                  for topic, partition, offset, start, length in args[0]])
+    if command is Command.OBSERVE:
+        return measurer.observe(args[0])
+    if command is Command.OBSERVE_PLACED:
+        if ring is None:
+            raise ValueError("records placed in a ring, but there is no ring here")
+        return measurer.observe([Record(topic, partition, offset, None, ring[start : start + length])
+                                 for topic, partition, offset, start, length in args[0]])
+    if command is Command.JUDGE:
+        return measurer.judge(args[0])
     if command is Command.SET_CONTRACTS:
         return measurer.set_contracts(args[0])
     if command is Command.FORGET:
@@ -186,23 +205,37 @@ class MeasuringThread(_Ordered):
 
 
 class MeasuringProcess(_Ordered):
-    """The measurer in a spawned child process, fed through a shared ring."""
+    """The measurer in spawned child processes, fed through one shared ring: with one
+    child, it does everything; with more, they observe chunks in turn and the first
+    judges them, in order (see the module documentation)."""
 
-    def __init__(self, spec: MeasurerSpec):
+    def __init__(self, spec: MeasurerSpec, processes: int = 1):
+        if processes < 1:
+            raise ValueError("at least one measuring process")
         self._ring = ring_module.SharedRing(RING_BYTES)
+        self._children: list[_Child] = []
         try:
-            self._child = _Child(spec, self._ring.path)
+            for _ in range(processes):
+                self._children.append(_Child(spec, self._ring.path))
             try:
-                self.ping()  # a child that cannot start fails the service at once
+                for child in self._children:  # a child that cannot start fails the service at once
+                    child.call(Command.PING, ()).result()
             except BaseException:
-                self._child.close()
+                for child in self._children:
+                    child.close()
                 raise
         finally:
-            self._ring.unlink()  # mapped by both processes now (or the child never started)
+            self._ring.unlink()  # mapped by every process now (or a child never started)
+        self._turn = 0
+        self._order: _InOrder | None = _InOrder(self._children[0]) if processes > 1 else None
 
     @property
     def pid(self) -> int | None:
-        return self._child.process.pid
+        return self._children[0].process.pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [child.process.pid for child in self._children]
 
     @property
     def ring_path(self) -> str:
@@ -212,39 +245,131 @@ class MeasuringProcess(_Ordered):
         return [self._send(chunk, size) for chunk, size in chunks(records)]
 
     def _send(self, chunk: list[Record], size: int) -> Future[list[Result]]:
+        child = self._children[self._turn]
+        self._turn = (self._turn + 1) % len(self._children)
+        whole, placed_command = ((Command.MEASURE, Command.MEASURE_PLACED) if self._order is None
+                                 else (Command.OBSERVE, Command.OBSERVE_PLACED))
         if size > self._ring.size:
-            return self.call(Command.MEASURE, chunk)
-        start = self._ring.reserve(size)
-        placed: list[Placed] = []
-        for record in chunk:
-            value = record.value or b""
-            self._ring.buffer[start : start + len(value)] = value
-            placed.append((record.topic, record.partition, record.offset, start, len(value)))
-            start += len(value)
-        future: Future[list[Result]] = self.call(Command.MEASURE_PLACED, placed)
-        self._ring.hold(start - size, start, future)
-        return future
+            future: Future[Any] = child.call(whole, (chunk,))
+        else:
+            start = self._ring.reserve(size)
+            placed: list[Placed] = []
+            for record in chunk:
+                value = record.value or b""
+                self._ring.buffer[start : start + len(value)] = value
+                placed.append((record.topic, record.partition, record.offset, start, len(value)))
+                start += len(value)
+            future = child.call(placed_command, (placed,))
+            self._ring.hold(start - size, start, future)
+        return future if self._order is None else self._order.judge(future)
 
     def call(self, command: Command, *args: Any) -> Future[Any]:
-        return self._child.call(command, args)
+        if self._order is None:
+            return self._children[0].call(command, args)
+        if command is Command.SET_CONTRACTS:  # every child decodes: each gets them, before later chunks
+            for child in self._children[1:]:
+                child.call(command, args)
+            return self._children[0].call(command, args)
+        return self._order.command(command, args)  # the judge's state: in order with the chunks
 
     def check(self) -> None:
-        """Raise :class:`MeasuringFailed` if the child has died (a flag read: its
-        results pipe closing tells at once)."""
-        self._child.check()
+        """Raise :class:`MeasuringFailed` if a child has died (a flag read: its results
+        pipe closing tells at once)."""
+        for child in self._children:
+            child.check()
+        if self._order is not None:
+            self._order.check()
 
     def close(self) -> None:
-        self._child.close()
+        if self._order is not None:
+            self._order.close()
+        for child in self._children:
+            child.close()
         self._ring.close()
 
 
+class _InOrder:
+    """Sends the first child, in submission order, each chunk's observations to judge
+    (once observed) and each command; from its own thread, so no child's results reader
+    ever blocks on a pipe."""
+
+    def __init__(self, judge: _Child):
+        self._judge = judge
+        self._queue: deque[tuple[Future[Any] | None, Command, tuple[Any, ...], Future[Any]]] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="measuring-order", daemon=True)
+        self._thread.start()
+
+    def judge(self, observed: Future[Any]) -> Future[Any]:
+        return self._enqueue(observed, Command.JUDGE, ())
+
+    def command(self, command: Command, args: tuple[Any, ...]) -> Future[Any]:
+        return self._enqueue(None, command, args)
+
+    def _enqueue(self, ready: Future[Any] | None, command: Command, args: tuple[Any, ...]) -> Future[Any]:
+        result: Future[Any] = Future()
+        with self._wake:
+            self._queue.append((ready, command, args, result))
+            self._wake.notify()
+        if ready is not None:
+            ready.add_done_callback(lambda _: self._notify())
+        return result
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise MeasuringFailed(f"ordering measured chunks failed: {self._failure}")
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(STOP_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not (self._queue and (self._queue[0][0] is None
+                                                                 or self._queue[0][0].done())):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                ready, command, args, result = self._queue.popleft()
+            try:
+                if ready is not None:
+                    error = ready.exception()
+                    if error is not None:
+                        result.set_exception(error)
+                        continue
+                    args = (ready.result(),)
+                _chain(self._judge.call(command, args), result)
+            except BaseException as exc:  # a dead judge: every later result fails too
+                self._failure = exc
+                result.set_exception(exc)
+
+
+def _chain(source: Future[Any], target: Future[Any]) -> None:
+    def copy(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(copy)
+
+
 def start_measuring(spec: MeasurerSpec, processes: int) -> MeasuringThread | MeasuringProcess:
-    """``processes`` 0: a thread of this process; 1: a child process."""
+    """``processes`` 0: a thread of this process; 1 or more: child processes."""
     if processes == 0:
         return MeasuringThread(spec)
-    if processes == 1:
-        return MeasuringProcess(spec)
-    raise ValueError(f"measuring processes must be 0 (a thread) or 1 (a child process), got {processes}")
+    if processes >= 1:
+        return MeasuringProcess(spec, processes)
+    raise ValueError(f"measuring processes must be 0 (a thread) or more (child processes), got {processes}")
 
 
 class _Child:

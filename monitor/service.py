@@ -21,6 +21,7 @@ this one and the pipeline's thread accounts for earlier ones, up to
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -115,7 +116,11 @@ class Service:
             state = None if self.state_file is None else self.state_file.load(detector)
             spec = MeasurerSpec(keyring, s.scopes(), s.limits(), detector, s.dedupe_window, state,
                                 logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
-            measuring = start_measuring(spec, s.measure_processes)
+            processes = s.measuring_processes()
+            measuring = start_measuring(spec, processes)
+            self.metrics.measuring_processes.set(processes)
+            log.info("measuring in %s", "a thread of this process" if processes == 0 else
+                     f"{processes} child process{'es' if processes > 1 else ''} ({os.cpu_count()} cores)")
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
                                 join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s)
             for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):

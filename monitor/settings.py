@@ -80,8 +80,9 @@ class Settings(BaseSettings):
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
     reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
                                                        "fault in fresh pages; resident memory stays at its peak")
-    measure_processes: int = Field(1, ge=0, le=1, description="1: decode, measure and detect in a child process, "
-                                   "beside the consumer; 0: in a thread of the service's own process")
+    measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, measure "
+                                          "and detect beside the consumer (default: one less than the cores, "
+                                          "at least 1, at most 8); 0: a thread of the service's own process")
 
     # Export
     metrics_address: str = "127.0.0.1"
@@ -133,6 +134,13 @@ class Settings(BaseSettings):
         """This instance's stable name: its state file, transactional id and group
         instance id."""
         return f"{self.group_id}-{self.client_id}-{socket.gethostname()}".replace(os.sep, "_")
+
+    def measuring_processes(self) -> int:
+        """MEASURE_PROCESSES, or what the machine's cores allow: one core stays with the
+        consumer (and on a small machine, often the broker)."""
+        if self.measure_processes is not None:
+            return self.measure_processes
+        return max(1, min(8, (os.cpu_count() or 2) - 1))
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,

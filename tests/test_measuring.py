@@ -193,7 +193,7 @@ def _alive(pid: int) -> bool:
 
 def test_measuring_needs_a_known_mode():
     with pytest.raises(ValueError, match="processes must be 0"):
-        start_measuring(spec(), processes=2)
+        start_measuring(spec(), processes=-1)
 
 
 def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
@@ -212,3 +212,54 @@ def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "cannot reserve 33554432 bytes for the shared ring" in out.stdout, out.stdout + out.stderr
+
+
+def test_several_processes_give_what_one_gives_in_the_same_order(monkeypatch):
+    """Three children observe chunks in turn and the first judges them in order: with
+    commands between the chunks (forget, remember, decisions), results and the
+    detector's state equal those of one measurer."""
+    monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 3)  # many chunks, every child several
+    many = MeasuringProcess(spec(), processes=3)
+    one = MeasuringThread(spec())
+    try:
+        assert len(set(many.pids)) == 3
+        first, second = records(40), records(20, start=40)
+        outputs = []
+        for m in (many, one):
+            m.sync_contracts(table())
+            out = run(m, first)
+            m.forget([r.identity["trace_id"] for r in out[:4]])  # these may come again
+            m.remember([r.identity["trace_id"] for r in run(m, second[:5])])
+            out += run(m, first[:6] + second + [Record("traces", 1, 999, None, b"junk")])
+            outputs.append((out, m.state().result()))
+        (ours, our_state), (theirs, their_state) = outputs
+        assert [comparable(r) for r in ours] == [comparable(r) for r in theirs]
+        assert [r.verdict.reference_traces for r in ours if isinstance(r, Measured)] == \
+            [r.verdict.reference_traces for r in theirs if isinstance(r, Measured)]
+        kinds = [type(r).__name__ for r in ours]
+        assert kinds[:40] == ["Measured"] * 40
+        assert kinds[40:] == ["Measured"] * 4 + ["Duplicate"] * 2 + ["Duplicate"] * 5 + ["Measured"] * 15 + \
+            ["Rejected"]
+        assert our_state == their_state
+    finally:
+        many.close()
+        one.close()
+
+
+def test_a_dead_child_among_several_fails_the_service_clearly():
+    many = MeasuringProcess(spec(), processes=2)
+    try:
+        os.kill(many.pids[1], signal.SIGKILL)
+        wait_for(lambda: _raises(many.check), timeout=10, what="the death noticed")
+        with pytest.raises(MeasuringFailed, match="measuring process died"):
+            many.check()
+    finally:
+        many.close()
+
+
+def _raises(call) -> bool:
+    try:
+        call()
+    except MeasuringFailed:
+        return True
+    return False

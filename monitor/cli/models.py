@@ -103,10 +103,6 @@ def contract_derive(
         typer.echo(text)
 
 
-MODEL_CLASSES = {"accuracy": "AutoModelForSequenceClassification", "loglik": "AutoModelForCausalLM",
-                 "retrieval": "AutoModel"}
-
-
 @app.command()
 def study(
     models: Annotated[list[str], typer.Argument(help="model directories (or hub ids already cached): each is one "
@@ -140,7 +136,7 @@ def study(
     recommendation to prune. Needs the transformers extra. docs/study.md explains.
     """
     try:
-        from monitor.integrations.study import EvalSet, StudyConfig, load_metric, run_study
+        from monitor.integrations.study import EvalSet, StudyConfig, load_metric, load_models, run_study
         from monitor.study.design import parse_heads
         from monitor.study.report import render
     except ImportError as exc:
@@ -159,24 +155,12 @@ def study(
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from exc
-    import transformers
-
-    loader = getattr(transformers, MODEL_CLASSES.get(metric, "AutoModel"))
-    checkpoints = []
-    tokenizer = None
-    for path in models:
-        try:
-            checkpoints.append((Path(path).name or path, loader.from_pretrained(path)))
-        except (OSError, ValueError) as exc:
-            typer.echo(f"error: cannot load {path}: {exc}", err=True)
-            raise typer.Exit(EXIT_USAGE) from exc
-        if tokenizer is None:
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError) as exc:  # fine when every example gives input_ids
-                if any("input_ids" not in row for row in evalset.rows):
-                    typer.echo(f"error: examples with 'text' need a tokenizer, and {path} has none: {exc}", err=True)
-                    raise typer.Exit(EXIT_USAGE) from exc
+    try:
+        checkpoints, tokenizer = load_models(models, metric, needs_tokenizer=any("input_ids" not in row
+                                                                                 for row in evalset.rows))
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
     config = StudyConfig(head_sets, seed_list, mode, controls, holdout=holdout, resamples=resamples,  # type: ignore[arg-type]
                          batch_size=batch_size)
     try:

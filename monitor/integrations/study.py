@@ -152,6 +152,32 @@ def load_metric(name: str) -> Metric:
     return found  # type: ignore[no-any-return]
 
 
+#: the transformers class a built-in metric needs (a custom metric gets AutoModel)
+MODEL_CLASSES = {"accuracy": "AutoModelForSequenceClassification", "loglik": "AutoModelForCausalLM",
+                 "retrieval": "AutoModel"}
+
+
+def load_models(paths: Sequence[str], metric: str, needs_tokenizer: bool) -> tuple[list[tuple[str, Any]], Any]:
+    """Each model directory (or cached hub id) as ``(name, model)``, and the first one's
+    tokenizer (None when it has none and ``needs_tokenizer`` is false)."""
+    import transformers
+
+    loader = getattr(transformers, MODEL_CLASSES.get(metric, "AutoModel"))
+    checkpoints, tokenizer = [], None
+    for path in paths:
+        try:
+            checkpoints.append((Path(path).name or path, loader.from_pretrained(path)))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load {path} as {loader.__name__}: {exc}") from exc
+        if tokenizer is None:
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError) as exc:
+                if needs_tokenizer:
+                    raise ValueError(f"examples with 'text' need a tokenizer, and {path} has none: {exc}") from exc
+    return checkpoints, tokenizer
+
+
 # --- the study -------------------------------------------------------------------------------
 
 

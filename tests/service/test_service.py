@@ -140,7 +140,7 @@ def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_
     reader.wait(lambda r: len(r[topics.dead_letter]) == 2, timeout=20, what="both poison records dead-lettered")
 
 
-@pytest.mark.parametrize("processes", [1, 0], ids=["measuring-process", "measuring-thread"])
+@pytest.mark.parametrize("processes", [1, 2, 0], ids=["measuring-process", "measuring-processes-2", "measuring-thread"])
 def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, processes):
     topics, start, _ = stack
     monitor = start(measure_processes=processes)
