@@ -19,10 +19,14 @@ from tests.service.harness import (
     publish_contracts,
     send_outcomes,
     send_traces,
+    series,
 )
 from tests.service.test_service import collapsed, healthy
 
 pytestmark = [pytest.mark.kafka, pytest.mark.faults]
+
+
+READY = series("attention_reference_ready", layer=0, model="test-model", revision="rev-1")
 
 
 @pytest.fixture
@@ -57,7 +61,8 @@ def test_kill_9_while_the_reference_is_learnt_keeps_it(kafka_broker, setup, tmp_
     try:
         final.wait_ready()
         send_traces(bootstrap, topics.traces, reference[sent:])
-        bad = collapsed(20, 0)
+        final.wait_until(lambda: final.value(READY) == 1, timeout=60, what="the reference ready")
+        bad = collapsed(20, 0)  # after it: with two partitions, they could otherwise be read first and taught
         send_outcomes(bootstrap, topics.outcomes, {h.request_id: "failure" for h, _ in bad})
         send_traces(bootstrap, topics.traces, bad)
         reader.wait(lambda r: {a.get("trace_id") for a in r[topics.anomalies]} >= {h.trace_id for h, _ in bad},
@@ -83,6 +88,7 @@ def test_a_trace_sent_again_after_a_restart_is_a_duplicate(kafka_broker, setup, 
     try:
         first.wait_ready()
         send_traces(bootstrap, topics.traces, reference)
+        first.wait_until(lambda: first.value(READY) == 1, timeout=60, what="the reference ready")
         send_traces(bootstrap, topics.traces, bad)
         reader.wait(lambda r: {a.get("trace_id") for a in r[topics.anomalies]} >= {h.trace_id for h, _ in bad},
                     timeout=60, what="the collapsed traces flagged")
