@@ -55,6 +55,15 @@ class Batch:
     committable: dict[TP, int]  #: safe to commit with the outputs
     taught: bool = False  #: a trace of the batch taught a reference (save the state before committing)
 
+    @staticmethod
+    def merged(batches: list[Batch]) -> Batch:
+        """Consecutive batches as one (each carries the offsets of every batch before it,
+        so the last one's positions and committable offsets are theirs)."""
+        if len(batches) == 1:
+            return batches[0]
+        return Batch([o for b in batches for o in b.outputs], batches[-1].positions, batches[-1].committable,
+                     any(b.taught for b in batches))
+
 
 @dataclass
 class _Waiting:

@@ -22,6 +22,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import KafkaError
 
+from monitor.broker.end_offsets import EndOffsets
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
 from monitor.records import Record
@@ -77,6 +78,7 @@ class GroupConsumer:
                 # arrives (the broker returns at least one record per fetch, KIP-74).
                 max_poll_records=max_records, max_partition_fetch_bytes=max_partition_fetch_bytes,
                 fetch_max_bytes=4 * max_partition_fetch_bytes, **kafka_config)
+            self._end_offsets = EndOffsets(kafka_config)
         except KafkaError as exc:
             raise infrastructure_error("cannot reach Kafka", exc) from exc
 
@@ -154,12 +156,13 @@ class GroupConsumer:
         if not tps:
             return 0
         try:
-            end = self._consumer.end_offsets(tps, timeout_ms=timeout_ms)
+            end = self._end_offsets(tps, timeout_ms=timeout_ms)
         except KafkaError as exc:
             raise infrastructure_error("cannot read end offsets", exc) from exc
         return sum(max(0, end[tp] - self.positions.get((tp.topic, tp.partition), end[tp])) for tp in tps)
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
+        self._end_offsets.close()
 
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
+from monitor.broker.end_offsets import EndOffsets
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
 
@@ -29,6 +30,7 @@ class TableReader:
         self.topic = topic
         try:
             self._consumer = KafkaConsumer(enable_auto_commit=False, group_id=None, **kafka_config)
+            self._end_offsets = EndOffsets(kafka_config)
             parts = self._consumer.partitions_for_topic(topic) or set()
         except KafkaError as exc:
             raise infrastructure_error(f"cannot reach Kafka for {topic}", exc) from exc
@@ -42,7 +44,7 @@ class TableReader:
     def load(self, timeout_s: float) -> None:
         """Read to the end offsets as of now."""
         try:
-            end = self._consumer.end_offsets(self._tps, timeout_ms=int(timeout_s * 1000))
+            end = self._end_offsets(self._tps, timeout_ms=int(timeout_s * 1000))
         except KafkaError as exc:
             raise infrastructure_error(f"cannot read the end of {self.topic}", exc) from exc
         deadline = time.monotonic() + timeout_s
@@ -63,5 +65,6 @@ class TableReader:
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
+        self._end_offsets.close()
 
 
