@@ -250,11 +250,10 @@ def cpu_seconds(pid: int, label: str) -> dict[str, float]:
 
 
 def metric(port: int, name: str) -> float:
+    """The sum of a metric's samples (all label values) on the service's ``/metrics``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
+        return sum(float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                   if line.startswith((name + " ", name + "{")))
 
 
 @dataclass
@@ -310,10 +309,13 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
             last = (now, done)
         stage_seconds = metric(port, "attention_monitor_processing_seconds_sum") / max(
             1.0, metric(port, "attention_monitor_processing_seconds_count"))
+        rejected = metric(port, "attention_monitor_traces_rejected_total")
     finally:
         service.stop()
     if first is None or last is None or last[0] == first[0]:
         raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
+    if rejected:  # a service that refuses the traces does less work than one that measures them
+        raise SystemExit(f"the service rejected {rejected:.0f} traces; see {work / 'monitor.log'}")
     span = last[0] - first[0]
     cpu = {name: cpu_last[name] - cpu_first.get(name, 0.0) for name in cpu_last if not name.startswith("broker'")}
     return Served((last[1] - first[1]) / span, last[1] - first[1], span, cpu, stage_seconds, rss)
@@ -343,7 +345,7 @@ def main() -> None:
                             wait_for_metadata=True)
         admin.close()
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20)
-        key, value = ContractTable.record(contract)
+        key, value = ContractTable.record(contract, KEY_ID, SECRET)  # the service refuses unsigned contracts
         producer.send("b-contracts", key=key, value=value)
         for k, v in records:
             producer.send("b-traces", key=k, value=v)
@@ -366,7 +368,8 @@ def main() -> None:
 
         measuring = MeasuringThread(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000))
         measuring.sync_contracts(table)
-        pipeline = Pipeline(measuring, metrics=MonitorMetrics(CollectorRegistry()))
+        registry = CollectorRegistry()
+        pipeline = Pipeline(measuring, metrics=MonitorMetrics(registry))
         start = time.perf_counter()
         polled = [Record("attention-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]
         for at in range(0, len(polled), 500):
@@ -374,6 +377,11 @@ def main() -> None:
         in_process = len(records) / (time.perf_counter() - start)
         pipeline.close()
         measuring.close()
+        refused = sum(sample.value for family in registry.collect()
+                      if family.name == "attention_monitor_traces_rejected"
+                      for sample in family.samples if sample.name.endswith("_total"))
+        if refused:
+            raise SystemExit(f"the in-process pipeline rejected {refused:.0f} traces")
 
         counts = sorted({1, args.processes})
         served_by: dict[int, list[Served]] = {n: [] for n in counts}
