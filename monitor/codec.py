@@ -231,6 +231,20 @@ def check_mass(trace: Trace, shown: NDArray[np.float64], hidden: NDArray[np.floa
         raise
 
 
+def masses_within(shown: NDArray[np.float64], hidden: NDArray[np.float64], valid: NDArray[np.bool_],
+                  dtype: str, limits: Limits) -> NDArray[np.bool_]:
+    """For a batch of traces (row masses ``[B, H, R]``, valid keys ``[B, 1, R, K]``),
+    which pass both checks of :func:`check_mass`: one pass over the batch, so only the
+    few that fail need the per-trace check that says why."""
+    batch = len(shown)
+    tolerance = limits.row_sum_tolerance_float16 if dtype == "float16" else limits.row_sum_tolerance_float32
+    seeing = valid.any(axis=-1)
+    error = np.abs(np.where(seeing, shown - 1.0, 0.0)).reshape(batch, -1).max(axis=1)
+    worst_hidden = hidden.reshape(batch, -1).max(axis=1)
+    ok: NDArray[np.bool_] = (worst_hidden <= limits.masked_mass_tolerance) & (error <= tolerance)
+    return ok
+
+
 def _check_mass(header: TraceHeader, shown: NDArray[np.float64], hidden: NDArray[np.float64],
                 valid: NDArray[np.bool_], limits: Limits) -> None:
     worst_hidden = float(hidden.max())

@@ -92,30 +92,3 @@ class Delivery:
                                                   "next start)", retriable=False) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-
-
-class GroupCommit:
-    """Batches done, committed together: a transaction costs the broker tens of
-    milliseconds whatever it holds, so while traces flow the batches done within
-    ``interval`` seconds of the oldest share one; an idle poll commits them at once."""
-
-    def __init__(self, delivery: Delivery, interval: float):
-        self.delivery, self.interval = delivery, interval
-        self.batches: list[Batch] = []
-        self.since = 0.0  #: when the oldest batch waiting was done
-
-    def add(self, batch: Batch) -> None:
-        if not self.batches:
-            self.since = time.monotonic()
-        self.batches.append(batch)
-
-    def commit_due(self, *, idle: bool) -> None:
-        """Commit the batches waiting when the poll was idle or the oldest waited ``interval``."""
-        if self.batches and (idle or time.monotonic() - self.since >= self.interval):
-            self.commit([])
-
-    def commit(self, more: list[Batch]) -> None:
-        """Commit the batches waiting and ``more`` (later ones, in order) now."""
-        batches, self.batches = self.batches + more, []
-        if batches:
-            self.delivery.complete(Batch.merged(batches))

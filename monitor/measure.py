@@ -26,7 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, Trace, check_mass, check_values, decode
+from monitor.codec import Limits, Trace, check_mass, check_values, decode, masses_within
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Anomaly, Detector, DetectorConfig, Observation, Verdict
 from monitor.core.join import RecentKeys
@@ -145,8 +145,8 @@ class Measurer:
             else:
                 results[i] = outcome
         measured = self._metrics([trace for _, trace, _ in accepted])
-        for (i, trace, spent), (metrics, shared) in zip(accepted, measured, strict=True):
-            results[i] = self._checked(records[i], trace, metrics, spent + shared)
+        for (i, trace, spent), (metrics, shared, mass_ok) in zip(accepted, measured, strict=True):
+            results[i] = self._checked(records[i], trace, metrics, spent + shared, mass_ok)
         return [r for r in results if r is not None]
 
     def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
@@ -187,37 +187,44 @@ class Measurer:
             log.exception("decode failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None)
 
-    def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float]]:
-        """Each trace's metrics (or the error measuring it raised) and its share of the
-        time spent, batching traces of equal shape and dtype."""
-        out: list[tuple[HeadMetrics | Exception, float]] = [(ValueError("not measured"), 0.0)] * len(traces)
+    def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float, bool]]:
+        """Each trace's metrics (or the error measuring it raised), its share of the time
+        spent and whether its row masses passed decode's checks already, batching traces
+        of equal shape and dtype."""
+        out: list[tuple[HeadMetrics | Exception, float, bool]] = [(ValueError("not measured"), 0.0, False)] * len(
+            traces)
         groups: dict[tuple[tuple[int, ...], str], list[int]] = defaultdict(list)
         for j, trace in enumerate(traces):
             groups[(trace.weights.shape, trace.weights.dtype.str)].append(j)
         for members in groups.values():
             started = time.perf_counter()
             try:
+                passed = np.zeros(len(members), dtype=bool)
                 if len(members) == 1:
                     t = traces[members[0]]
                     batch = [head_metrics(t.weights, t.valid, scratch=self._scratch, with_mass=True)]
                 else:
                     weights = np.stack([traces[j].weights for j in members])
                     valid = np.stack([traces[j].valid for j in members])[:, None]
-                    batch = _split(head_metrics(weights, valid, scratch=self._scratch, with_mass=True))
+                    whole = head_metrics(weights, valid, scratch=self._scratch, with_mass=True)
+                    assert whole.row_mass is not None and whole.hidden_mass is not None
+                    passed = masses_within(whole.row_mass, whole.hidden_mass, valid, traces[members[0]].header.dtype,
+                                           self.limits)
+                    batch = _split(whole)
             except Exception as exc:
                 if len(members) == 1:
-                    out[members[0]] = (exc, time.perf_counter() - started)
+                    out[members[0]] = (exc, time.perf_counter() - started, False)
                     continue
                 for j in members:  # one trace's failure must not cost the others their metrics
                     out[j] = self._metrics([traces[j]])[0]
                 continue
             share = (time.perf_counter() - started) / len(members)
-            for j, metrics in zip(members, batch, strict=True):
-                out[j] = (metrics, share)
+            for k, (j, metrics) in enumerate(zip(members, batch, strict=True)):
+                out[j] = (metrics, share, bool(passed[k]))
         return out
 
     def _checked(self, record: Record, trace: Trace, metrics: HeadMetrics | Exception,
-                 spent: float) -> Observed | Rejected:
+                 spent: float, mass_ok: bool = False) -> Observed | Rejected:
         """The trace's metrics after decode's last checks (on this pass's sums)."""
         started = time.perf_counter()
         try:
@@ -225,7 +232,8 @@ class Measurer:
                 check_values(trace)  # weights the core refused: say which fault, as decode would
                 raise metrics
             assert metrics.row_mass is not None and metrics.hidden_mass is not None
-            check_mass(trace, metrics.row_mass, metrics.hidden_mass, self.limits)
+            if not mass_ok:  # the batch's check passed it already
+                check_mass(trace, metrics.row_mass, metrics.hidden_mass, self.limits)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
         except Exception as exc:  # a verified record must not stop the partition either

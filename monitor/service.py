@@ -39,7 +39,7 @@ from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
-from monitor.delivery import Delivery, GroupCommit
+from monitor.delivery import Delivery
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.exporter import MonitorMetrics
 from monitor.health import Health
@@ -166,13 +166,11 @@ class Service:
               measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
         """Poll a batch and hand it to the pipeline at once; commit batches in order as
         they complete. Up to ``batches_in_flight`` polled batches are measured or
-        accounted for at once, so the measuring worker always has the next one queued.
-        Batches done wait up to ``commit_interval_ms`` to share one transaction. A
+        accounted for at once, so the measuring worker always has the next one queued. A
         rebalance waits for every batch in flight, then is acted on, and only then does
         the pipeline get the poll that brought it."""
         s = self.settings
         running: deque[Future[Batch]] = deque()
-        done = GroupCommit(delivery, s.commit_interval_ms / 1000)
         lag_at = 0.0
         while not self.stopping.is_set():
             records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
@@ -189,24 +187,28 @@ class Service:
             measuring.sync_decisions(self.references)
             if revoked or assigned:
                 self.metrics.rebalances.inc()
-                done.commit([b.result() for b in running])
-                running.clear()
+                if running:
+                    delivery.complete(Batch.merged([b.result() for b in running]))
+                    running.clear()
                 if assigned:
                     records = self._reassign(consumer, pipeline, measuring, assigned, records)
                     self.health.assigned()
             running.append(pipeline.process(records))
             self.metrics.polled.inc(len(records))
-            if len(running) > s.batches_in_flight:
-                done.add(running.popleft().result())
-            while running and running[0].done():
-                done.add(running.popleft().result())
-            done.commit_due(idle=not records)
+            if len(running) > s.batches_in_flight or running[0].done():
+                # every batch done by now goes in one transaction: its latency (tens of ms)
+                # is paid once for them all, not once per poll
+                done = [running.popleft().result()]
+                while running and running[0].done():
+                    done.append(running.popleft().result())
+                delivery.complete(Batch.merged(done))
             self.metrics.observe_contracts(self.contracts)
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)
             self._maybe_save_state(measuring)
-        done.commit([b.result() for b in running])
+        if running:
+            delivery.complete(Batch.merged([b.result() for b in running]))
         log.info("stop requested: last batch committed")
 
     def _until_done(self, action: Callable[[], None], what: str) -> None:

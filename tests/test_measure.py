@@ -85,3 +85,28 @@ def test_value_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons():
     assert [type(r) for r in results] == [Measured, Rejected, Measured, Rejected, Measured]
     assert (results[1].reason, results[3].reason) == (RejectReason.NON_FINITE, RejectReason.NEGATIVE)
     assert results[1].header is not None and results[3].header is not None
+
+
+def test_mass_faults_in_a_batch_are_rejected_with_decodes_reasons_and_the_others_pass():
+    """The batch's one-pass mass check lets through only traces the per-trace check
+    would pass: a row short of its mass and weight on a hidden key are each refused
+    with decode's reason, and the rest of the batch is measured."""
+    values, expected = [], []
+    for i in range(8):
+        header, weights = make_trace(i)
+        reason = None
+        if i == 2:
+            weights[1, 0] *= np.float16(0.8)
+            reason = RejectReason.ROW_SUM
+        if i == 5:
+            row = int(np.argmin(header.query_positions))
+            hidden = header.key_count - 1
+            assert header.query_positions[row] < hidden  # causal: the last key is hidden from this row
+            weights[0, row] *= np.float16(0.5)
+            weights[0, row, hidden] = np.float16(0.5)
+            reason = RejectReason.MASKED_MASS
+        values.append(encode(header, weights, KEY_ID, SECRET))
+        expected.append(reason)
+    results = make_measurer().measure([Record("traces", 0, i, b"k", v) for i, v in enumerate(values)])
+    assert [r.reason if isinstance(r, Rejected) else None for r in results] == expected
+    assert all(isinstance(r, Measured) for r, e in zip(results, expected, strict=True) if e is None)

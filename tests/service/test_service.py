@@ -207,6 +207,6 @@ def test_a_contract_published_while_running_reaches_the_measuring_process(kafka_
         traces.append((header, trace_weights(rng, layer_roles(0, 4), positions, 64)))
     send_traces(kafka_broker.bootstrap, topics.traces, traces)
     measured = series("attention_traces_total", layer=0, model="test-model", revision="rev-2")
-    wait_for(lambda: monitor.value(measured) == 5, timeout=30, what="the new revision's traces measured")
+    monitor.wait_until(lambda: monitor.value(measured) == 5, timeout=30, what="the new revision's traces measured")
     unknown = series("attention_monitor_traces_rejected_total", reason="unknown_contract")
     assert monitor.value(unknown) == 0
