@@ -12,7 +12,7 @@ measures on the same messages:
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
 - service: ``python -m monitor run`` consuming them (traces/s, from its first trace
-  to its last, between scrapes a second apart), with its resident memory sampled
+  to its last, between scrapes a second apart), with its memory (PSS) sampled
   every 0.2 s.
 
 Each reference is the best of two or three passes, and the service the best of two
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -224,12 +225,13 @@ class Premeasured:
 
 
 def rss_kib(pid: int) -> int:
-    """Resident memory of the process and its descendants."""
+    """Proportional resident memory (PSS: the shared ring counted once, not once per
+    process) of the process and its descendants."""
     total = 0
     for p in tree(pid):
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total += int(line.split()[1])
         except OSError:
             pass
@@ -415,6 +417,12 @@ def main() -> None:
               f"{run.rate / floor:.0%} of min(raw, core); runs {', '.join(f'{r.rate:.0f}' for r in runs)}")
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references'), "
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
+        quarter = max(1, len(run.rss) // 4)
+        medians = [statistics.median(run.rss[i * quarter : (i + 1) * quarter] or run.rss[-1:]) / 1024
+                   for i in range(4)]
+        print(f"  memory (PSS) of the service and its children, median of each quarter of the run: "
+              f"{', '.join(f'{m:.0f}' for m in medians)} MiB; peak {max(run.rss) / 1024:.0f} MiB "
+              f"({len(run.rss)} samples)")
         consumer = run.cpu.get("service", 0.0) / run.traces
         print(f"  projected per instance from CPU per trace (broker elsewhere): 8 cores {8 / service_only:.0f}, "
               f"16 cores {16 / service_only:.0f} traces/s, until the consumer process ({consumer * 1e3:.2f} ms a "
