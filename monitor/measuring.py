@@ -31,27 +31,19 @@ restart.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import multiprocessing
-import signal
 import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from enum import Enum
-from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from monitor import ring as ring_module
 from monitor.errors import MeasuringFailed
-from monitor.measure import Measurer, MeasurerSpec, Result
-from monitor.memory import reuse_freed_memory
+from monitor.measure import MeasurerSpec, Result
+from monitor.measuring_child import STOP_TIMEOUT_S, Child, Command, Placed, execute
 from monitor.model_contract import ContractTable
 from monitor.records import Record
 from monitor.references import ReferenceTable
-
-log = logging.getLogger(__name__)
 
 #: a chunk of trace records measured at once (as a batch): small enough that the ring
 #: holds many chunks in flight, large enough that the per-chunk overhead does not matter
@@ -60,62 +52,6 @@ CHUNK_RECORDS = 64
 #: the shared ring that carries record values to the child; a value larger than the
 #: ring goes through the pipe instead
 RING_BYTES = 32 * 1024 * 1024
-#: how long closing waits for the child to leave before it is killed
-STOP_TIMEOUT_S = 10.0
-#: a record in the ring: topic, partition, offset, start, length
-Placed = tuple[str, int, int, int, int]
-
-
-class Command(Enum):
-    """What a measurer is asked to do; the arguments are in :func:`execute`."""
-
-    MEASURE = "measure"  #: (records,) → results
-    MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
-    OBSERVE = "observe"  #: (records,) → observed (decoded, verified, measured; not judged)
-    OBSERVE_PLACED = "observe_placed"  #: (placed records in the ring,) → observed
-    JUDGE = "judge"  #: (observed,) → results
-    SET_CONTRACTS = "set_contracts"  #: (contracts,)
-    FORGET = "forget"  #: (trace ids,): let these traces through again
-    DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
-    REMEMBER = "remember"  #: (trace ids,): already processed (read back from the outputs)
-    STATE = "state"  #: () → the detector's reference state
-    PING = "ping"  #: () → None, once everything before it is done
-    STOP = "stop"  #: (): the child leaves
-
-
-def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
-    """Carry out one command on ``measurer``."""
-    if command is Command.MEASURE:
-        return measurer.measure(args[0])
-    if command is Command.MEASURE_PLACED:
-        if ring is None:
-            raise ValueError("records placed in a ring, but there is no ring here")
-        return measurer.measure([Record(topic, partition, offset, None, ring[start : start + length])
-                                 for topic, partition, offset, start, length in args[0]])
-    if command is Command.OBSERVE:
-        return measurer.observe(args[0])
-    if command is Command.OBSERVE_PLACED:
-        if ring is None:
-            raise ValueError("records placed in a ring, but there is no ring here")
-        return measurer.observe([Record(topic, partition, offset, None, ring[start : start + length])
-                                 for topic, partition, offset, start, length in args[0]])
-    if command is Command.JUDGE:
-        return measurer.judge(args[0])
-    if command is Command.SET_CONTRACTS:
-        return measurer.set_contracts(args[0])
-    if command is Command.FORGET:
-        return measurer.forget(args[0])
-    if command is Command.DECIDE:
-        return measurer.decide(args[0])
-    if command is Command.REMEMBER:
-        return measurer.remember(args[0])
-    if command is Command.STATE:
-        return measurer.detector.state_dict()
-    if command is Command.PING:
-        return None
-    raise ValueError(f"{command} is not executed by a measurer")
-
-
 class Measuring(Protocol):
     """What the pipeline needs from a thread or process that measures."""
 
@@ -213,10 +149,10 @@ class MeasuringProcess(_Ordered):
         if processes < 1:
             raise ValueError("at least one measuring process")
         self._ring = ring_module.SharedRing(RING_BYTES)
-        self._children: list[_Child] = []
+        self._children: list[Child] = []
         try:
             for _ in range(processes):
-                self._children.append(_Child(spec, self._ring.path))
+                self._children.append(Child(spec, self._ring.path))
             try:
                 for child in self._children:  # a child that cannot start fails the service at once
                     child.call(Command.PING, ()).result()
@@ -293,7 +229,7 @@ class _InOrder:
     (once observed) and each command; from its own thread, so no child's results reader
     ever blocks on a pipe."""
 
-    def __init__(self, judge: _Child):
+    def __init__(self, judge: Child):
         self._judge = judge
         self._queue: deque[tuple[Future[Any] | None, Command, tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Condition()
@@ -370,98 +306,3 @@ def start_measuring(spec: MeasurerSpec, processes: int) -> MeasuringThread | Mea
     if processes >= 1:
         return MeasuringProcess(spec, processes)
     raise ValueError(f"measuring processes must be 0 (a thread) or more (child processes), got {processes}")
-
-
-class _Child:
-    """The spawned measuring process, serving commands one after the other: requests go
-    down one pipe, results come back up another, where a thread matches them to the
-    futures waiting in order."""
-
-    def __init__(self, spec: MeasurerSpec, ring_path: str):
-        ctx = multiprocessing.get_context("spawn")
-        requests, self._requests = ctx.Pipe(duplex=False)
-        self._results, results_end = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve, args=(requests, results_end, spec, ring_path),
-                                   name="attention-monitor-measuring", daemon=True)
-        self.process.start()
-        requests.close()  # only the child holds these ends now: its exit closes them
-        results_end.close()
-        self._waiting: deque[Future[Any]] = deque()
-        self._send = threading.Lock()
-        self._failure: str | None = None
-        self._reader = threading.Thread(target=self._read, name="measuring-results", daemon=True)
-        self._reader.start()
-
-    def call(self, command: Command, args: tuple[Any, ...]) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._send:
-            self.check()
-            self._waiting.append(future)  # before sending: the reader may answer at once
-            try:
-                self._requests.send((command, args))
-            except OSError as exc:
-                self._fail(f"cannot reach it: {exc}")
-        return future
-
-    def check(self) -> None:
-        if self._failure is not None:
-            raise MeasuringFailed(f"the measuring process died: {self._failure}")
-
-    def close(self) -> None:
-        if self._failure is None:
-            with contextlib.suppress(OSError):
-                self._requests.send((Command.STOP, ()))
-        self.process.join(STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self._requests.close()
-        self._reader.join(STOP_TIMEOUT_S)
-        self._results.close()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                ok, value = self._results.recv()
-            except (EOFError, OSError):
-                self.process.join(1.0)
-                self._fail(f"exit code {self.process.exitcode}")
-                return
-            future = self._waiting.popleft()
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
-
-    def _fail(self, why: str) -> None:
-        if self._failure is None:
-            self._failure = why
-        while self._waiting:
-            self._waiting.popleft().set_exception(MeasuringFailed(f"the measuring process died: {self._failure}"))
-
-
-def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ring_path: str) -> None:
-    """The child's main loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[measuring]: %(message)s")
-    if spec.reuse_freed_memory:
-        reuse_freed_memory()
-    ring = ring_module.attach(ring_path)
-    measurer = spec.build()
-    while True:
-        try:
-            command, args = requests.recv()
-        except (EOFError, OSError):
-            return  # the service is gone
-        if command is Command.STOP:
-            return
-        try:
-            reply: tuple[bool, Any] = (True, execute(measurer, command, args, ring))
-        except Exception as exc:  # a bug, not a record: the caller's future raises it
-            log.exception("measuring command %s failed", command.value)
-            reply = (False, RuntimeError(f"measuring command {command.value} failed: {type(exc).__name__}: {exc}"))
-        try:
-            results_end.send(reply)
-        except (OSError, ValueError):
-            return

@@ -23,6 +23,7 @@ RANKS: list[set[str]] = [
      "state_file", "assignment"},
     {"codec"},
     {"settings", "measure"},
+    {"measuring_child"},
     {"measuring", "broker"},
     {"pipeline", "producer"},
     {"delivery"},

@@ -1,0 +1,183 @@
+"""The measuring child process and the commands a measurer takes.
+
+A :class:`Child` is one spawned process running a :class:`~monitor.measure.Measurer`
+(see :mod:`monitor.measuring` for how the service feeds one or several): commands go
+down one pipe and results come back up another, read by one thread, in order. Record
+values arrive as places in the shared ring (:mod:`monitor.ring`), read without a copy.
+The child ignores SIGINT and SIGTERM (the service stops it after the last batch) and
+leaves when its request pipe closes, which also happens when the service dies by
+``kill -9``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import signal
+import threading
+from collections import deque
+from concurrent.futures import Future
+from enum import Enum
+from multiprocessing.connection import Connection
+from typing import Any
+
+from monitor import ring as ring_module
+from monitor.errors import MeasuringFailed
+from monitor.measure import Measurer, MeasurerSpec
+from monitor.memory import reuse_freed_memory
+from monitor.records import Record
+
+log = logging.getLogger(__name__)
+
+#: how long closing waits for the child to leave before it is killed
+STOP_TIMEOUT_S = 10.0
+#: a record in the ring: topic, partition, offset, start, length
+Placed = tuple[str, int, int, int, int]
+
+
+class Command(Enum):
+    """What a measurer is asked to do; the arguments are in :func:`execute`."""
+
+    MEASURE = "measure"  #: (records,) → results
+    MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
+    OBSERVE = "observe"  #: (records,) → observed (decoded, verified, measured; not judged)
+    OBSERVE_PLACED = "observe_placed"  #: (placed records in the ring,) → observed
+    JUDGE = "judge"  #: (observed,) → results
+    SET_CONTRACTS = "set_contracts"  #: (contracts,)
+    FORGET = "forget"  #: (trace ids,): let these traces through again
+    DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
+    REMEMBER = "remember"  #: (trace ids,): already processed (read back from the outputs)
+    STATE = "state"  #: () → the detector's reference state
+    PING = "ping"  #: () → None, once everything before it is done
+    STOP = "stop"  #: (): the child leaves
+
+
+def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
+    """Carry out one command on ``measurer``."""
+    if command is Command.MEASURE:
+        return measurer.measure(args[0])
+    if command is Command.MEASURE_PLACED:
+        return measurer.measure(_from_ring(args[0], ring))
+    if command is Command.OBSERVE:
+        return measurer.observe(args[0])
+    if command is Command.OBSERVE_PLACED:
+        return measurer.observe(_from_ring(args[0], ring))
+    if command is Command.JUDGE:
+        return measurer.judge(args[0])
+    if command is Command.SET_CONTRACTS:
+        return measurer.set_contracts(args[0])
+    if command is Command.FORGET:
+        return measurer.forget(args[0])
+    if command is Command.DECIDE:
+        return measurer.decide(args[0])
+    if command is Command.REMEMBER:
+        return measurer.remember(args[0])
+    if command is Command.STATE:
+        return measurer.detector.state_dict()
+    if command is Command.PING:
+        return None
+    raise ValueError(f"{command} is not executed by a measurer")
+
+
+def _from_ring(placed: list[Placed], ring: memoryview | None) -> list[Record]:
+    """The records placed in the ring, their values views of it (no copy)."""
+    if ring is None:
+        raise ValueError("records placed in a ring, but there is no ring here")
+    return [Record(topic, partition, offset, None, ring[start : start + length])
+            for topic, partition, offset, start, length in placed]
+
+
+class Child:
+    """The spawned measuring process, serving commands one after the other: requests go
+    down one pipe, results come back up another, where a thread matches them to the
+    futures waiting in order."""
+
+    def __init__(self, spec: MeasurerSpec, ring_path: str):
+        ctx = multiprocessing.get_context("spawn")
+        requests, self._requests = ctx.Pipe(duplex=False)
+        self._results, results_end = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(requests, results_end, spec, ring_path),
+                                   name="attention-monitor-measuring", daemon=True)
+        self.process.start()
+        requests.close()  # only the child holds these ends now: its exit closes them
+        results_end.close()
+        self._waiting: deque[Future[Any]] = deque()
+        self._send = threading.Lock()
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="measuring-results", daemon=True)
+        self._reader.start()
+
+    def call(self, command: Command, args: tuple[Any, ...]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._send:
+            self.check()
+            self._waiting.append(future)  # before sending: the reader may answer at once
+            try:
+                self._requests.send((command, args))
+            except OSError as exc:
+                self._fail(f"cannot reach it: {exc}")
+        return future
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise MeasuringFailed(f"the measuring process died: {self._failure}")
+
+    def close(self) -> None:
+        if self._failure is None:
+            with contextlib.suppress(OSError):
+                self._requests.send((Command.STOP, ()))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._requests.close()
+        self._reader.join(STOP_TIMEOUT_S)
+        self._results.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ok, value = self._results.recv()
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                self._fail(f"exit code {self.process.exitcode}")
+                return
+            future = self._waiting.popleft()
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+        while self._waiting:
+            self._waiting.popleft().set_exception(MeasuringFailed(f"the measuring process died: {self._failure}"))
+
+
+def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ring_path: str) -> None:
+    """The child's main loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[measuring]: %(message)s")
+    if spec.reuse_freed_memory:
+        reuse_freed_memory()
+    ring = ring_module.attach(ring_path)
+    measurer = spec.build()
+    while True:
+        try:
+            command, args = requests.recv()
+        except (EOFError, OSError):
+            return  # the service is gone
+        if command is Command.STOP:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, execute(measurer, command, args, ring))
+        except Exception as exc:  # a bug, not a record: the caller's future raises it
+            log.exception("measuring command %s failed", command.value)
+            reply = (False, RuntimeError(f"measuring command {command.value} failed: {type(exc).__name__}: {exc}"))
+        try:
+            results_end.send(reply)
+        except (OSError, ValueError):
+            return
