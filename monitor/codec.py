@@ -135,6 +135,20 @@ def decode(
     return Trace(header, weights, valid, contract, layer, frame.key_id)
 
 
+def named_contract(data: bytes | memoryview | None, limits: Limits | None = None) -> str | None:
+    """The contract id a record's header names, read without verifying anything (the
+    service only decides with it whether to read the contracts topic before handing the
+    record on); None when the record has no readable header naming one."""
+    limits = limits or Limits()
+    try:
+        frame = wire.unpack(data or b"", limits.max_record_bytes, limits.max_header_bytes)
+        doc = json.loads(bytes(frame.header))
+    except (TraceRejected, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    named = doc.get("contract_id") if isinstance(doc, dict) else None
+    return named if isinstance(named, str) else None
+
+
 def _parse_header(raw: memoryview) -> TraceHeader:
     text = bytes(raw)
     try:

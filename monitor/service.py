@@ -39,6 +39,7 @@ from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
+from monitor.codec import named_contract
 from monitor.delivery import Delivery
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.exporter import MonitorMetrics
@@ -66,6 +67,7 @@ class Service:
         self.settings = settings
         self.registry = registry or CollectorRegistry()
         self.topics = settings.topics()
+        self.limits = settings.limits()
         self.metrics = MonitorMetrics(self.registry, detail_level=settings.detail_level,
                                       max_model_revisions=settings.max_model_revisions,
                                       model_allowlist=settings.model_allowlist,
@@ -178,7 +180,7 @@ class Service:
             self.assignment.revoke(revoked)  # not committed for from here on
             for reader in readers:
                 reader.refresh()
-            if any(r.topic == self.topics.traces for r in records):
+            if self._names_unknown_contract(records):
                 # a model server publishes a contract just before its first traces: read the
                 # contracts topic to its end as of now, so those traces find it
                 self._until_done(lambda: readers[0].load(10.0), "reading the contracts topic")
@@ -210,6 +212,14 @@ class Service:
         if running:
             delivery.complete(Batch.merged([b.result() for b in running]))
         log.info("stop requested: last batch committed")
+
+    def _names_unknown_contract(self, records: list[Record]) -> bool:
+        """Whether a trace of the poll names a contract this instance does not know (the
+        header read unverified: a wrong name only costs a read of the contracts topic,
+        or the trace's own rejection; an unreadable header is rejected whatever the
+        contracts)."""
+        named = {named_contract(r.value, self.limits) for r in records if r.topic == self.topics.traces}
+        return any(name is not None and self.contracts.get(name) is None for name in named)
 
     def _until_done(self, action: Callable[[], None], what: str) -> None:
         """``action``, retried while the broker is away (not ready meanwhile), until it

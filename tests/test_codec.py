@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monitor import wire
-from monitor.codec import Limits, decode, encode, valid_keys
+from monitor.codec import Limits, decode, encode, named_contract, valid_keys
 from monitor.deadletter import dead_letter
 from monitor.errors import RejectReason, TraceRejected
 from monitor.schema import Scope
@@ -201,6 +201,7 @@ def test_fuzz_only_the_reject_error_escapes_without_hanging_or_growing():
         for data in _mutations(rng, seeds, 10_000):
             signal.alarm(5)
             try:
+                assert named_contract(data) is None or isinstance(named_contract(data), str)
                 decode_default(data)
                 outcomes["accepted"] = outcomes.get("accepted", 0) + 1
             except TraceRejected as exc:
@@ -235,3 +236,22 @@ def test_scope_wildcards():
         else:
             assert reject_reason(record) is RejectReason.SCOPE_DENIED
     del rng
+
+
+def test_named_contract_reads_the_header_unverified_and_never_raises():
+    record = make_record(0)
+    assert named_contract(record) == CONTRACT.contract_id
+    frame = wire.unpack(record, 1 << 30, 1 << 20)
+    tampered = bytearray(record)
+    tampered[-1] ^= 0xFF  # a bad signature: still named (decode rejects it)
+    assert named_contract(bytes(tampered)) == CONTRACT.contract_id
+
+    def with_header(doc: bytes) -> bytes:
+        return wire.pack(doc, bytes(frame.payload), KEY_ID, SECRET)
+
+    assert named_contract(with_header(b'{"contract_id": "other"}')) == "other"
+    for doc in (b"[1, 2]", b'{"contract_id": 7}', b"{not json", b"\xff\xfe", b'{"layer": 0}'):
+        assert named_contract(with_header(doc)) is None, doc
+    assert named_contract(b"not a trace record") is None
+    assert named_contract(None) is None
+    assert named_contract(record, Limits(max_record_bytes=len(record) - 1)) is None

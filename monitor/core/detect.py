@@ -43,9 +43,8 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,11 +178,41 @@ def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
     h = similarity.shape[0]
     if h < 2:
         return np.full(h, np.nan)
-    off = ~np.eye(h, dtype=bool)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a head with no similarity this trace: NaN
-        result: NDArray[np.float64] = np.nanmax(np.where(off, similarity, np.nan), axis=1)
-    return result
+    others = np.where(np.isnan(similarity) | _diagonal(h), -np.inf, similarity)
+    nearest: NDArray[np.float64] = others.max(axis=1)
+    nearest[nearest == -np.inf] = np.nan  # a head with no similarity this trace
+    return nearest
+
+
+@functools.lru_cache(maxsize=64)
+def _diagonal(h: int) -> NDArray[np.bool_]:
+    eye = np.eye(h, dtype=bool)
+    eye.flags.writeable = False
+    return eye
+
+
+@dataclass(frozen=True)
+class _Streams:
+    """The streams of a layer of ``h`` heads, in judging order: layer diversity, each
+    head's nearest-neighbour similarity, entropy, concentration, sink share up and sink
+    share down; which value each reads, its bad direction, floor and threshold (the
+    same for every trace of that many heads)."""
+
+    block: dict[str, NDArray[np.intp]]  #: where each head metric's values sit in the value vector
+    floors: NDArray[np.float64]  #: per value
+    pick: NDArray[np.intp]
+    sign: NDArray[np.float64]
+    thresholds: NDArray[np.float64]
+
+    @staticmethod
+    def of(h: int, config: DetectorConfig, threshold: Callable[[int], float]) -> _Streams:
+        block = {m: np.arange(1 + i * h, 1 + (i + 1) * h) for i, m in enumerate(HEAD_METRICS)}
+        floors = np.concatenate(([config.min_sd["diversity"]], *(np.full(h, config.min_sd[m]) for m in HEAD_METRICS)))
+        pick = np.concatenate(([0], block["similarity"], block["entropy"], block["concentration"],
+                               block["sink_share"], block["sink_share"]))
+        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h), np.ones(h), -np.ones(h)))
+        thresholds = np.concatenate(([threshold(1)], np.full(3 * h, threshold(h)), np.full(2 * h, threshold(2 * h))))
+        return _Streams(block, floors, pick, sign, thresholds)
 
 
 #: a pair of heads counts as converging when its similarity rose this much above the
@@ -226,6 +255,7 @@ class Detector:
         self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
         self._announced: set[tuple[str, LayerKey]] = set()
         self._k = self.config.shift / 2
+        self._streams: dict[int, _Streams] = {}  #: by head count
 
     # --- who judges whom --------------------------------------------------------------
 
@@ -319,16 +349,14 @@ class Detector:
         finding names the heads whose nearest-neighbour similarity rose, and those of the
         pairs whose similarity rose most above the reference's mean matrix."""
         c = self.config
+        streams = self._streams.get(h)
+        if streams is None:
+            streams = self._streams[h] = _Streams.of(h, c, self._threshold)
         fit = ref.fit(obs.key_count, min(c.pool, c.reference_traces))
-        floors = np.concatenate(([c.min_sd["diversity"]], *(np.full(h, c.min_sd[m]) for m in HEAD_METRICS)))
-        sd = np.maximum(np.nan_to_num(fit.sd, nan=0.0), floors)
-        block = {m: np.arange(1 + i * h, 1 + (i + 1) * h) for i, m in enumerate(HEAD_METRICS)}
-        pick = np.concatenate(([0], block["similarity"], block["entropy"], block["concentration"],
-                               block["sink_share"], block["sink_share"]))
-        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h), np.ones(h), -np.ones(h)))
-        x, mean, dev = values[pick], fit.mean[pick], sd[pick]
+        sd = np.fmax(fit.sd, streams.floors)  # a NaN deviation (too few observations) takes the floor
+        x, mean, dev = values[streams.pick], fit.mean[streams.pick], sd[streams.pick]
         seen = np.isfinite(x) & np.isfinite(mean)
-        z = np.where(seen, sign * (x - np.where(seen, mean, 0.0)) / dev, 0.0)
+        z = np.where(seen, streams.sign * (x - np.where(seen, mean, 0.0)) / dev, 0.0)
         old = self._cusum.get(key)
         if old is None or old.shape != z.shape:
             old = np.zeros_like(z)
@@ -336,9 +364,7 @@ class Detector:
                 del self._cusum[next(iter(self._cusum))]
         s = np.maximum(0.0, old + np.minimum(z, c.clip) - self._k)
         s = np.where(seen, s, old)  # a stream this trace says nothing about waits
-        thresholds = np.concatenate(([self._threshold(1)], np.full(3 * h, self._threshold(h)),
-                                     np.full(2 * h, self._threshold(2 * h))))
-        hit = (s > thresholds) & (z >= c.min_effect)
+        hit = (s > streams.thresholds) & (z >= c.min_effect)
         found = []
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
@@ -358,7 +384,7 @@ class Detector:
         self._cusum[key] = s
         if not found:
             return found, None
-        band = {m: block[m] for m in HEAD_METRICS[:3]}
+        band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
         evidence = Evidence(obs.heads, obs.key_count, obs.similarity, ref.mean_matrix(),
                             {"entropy": obs.entropy, "concentration": obs.concentration,
                              "sink_share": obs.sink_share},
