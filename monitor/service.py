@@ -37,6 +37,7 @@ from monitor.access import contract_verifier
 from monitor.assignment import Assignment
 from monitor.broker.group import GroupConsumer
 from monitor.broker.outputs import OutputProducer
+from monitor.broker.socket_reads import read_in_large_chunks
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
 from monitor.codec import named_contract
@@ -112,6 +113,8 @@ class Service:
         try:
             if s.reuse_freed_memory:
                 reuse_freed_memory()
+            if read_in_large_chunks(s.socket_read_bytes):
+                log.info("reading Kafka sockets up to %d KiB at a time", s.socket_read_bytes // 1024)
             detector = s.detector()
             keyring = s.keyring()
             self.contracts = ContractTable(contract_verifier(keyring), s.max_contracts)
