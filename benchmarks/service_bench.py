@@ -13,7 +13,8 @@ measures on the same messages:
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
 - service: ``python -m monitor run`` consuming them (traces/s, from its first trace
-  to its last, between scrapes a second apart), with its memory (PSS) sampled
+  to its last: from the first scrape, a second apart, that counts one to the time
+  the service says it accounted for the last), with its memory (PSS) sampled
   every 0.2 s.
 
 Each reference is the best of two or three passes, and the service the best of two
@@ -263,7 +264,7 @@ def metric(port: int, name: str) -> float:
 
 @dataclass
 class Served:
-    rate: float  #: traces/s between the first scrape that saw a trace and the last
+    rate: float  #: traces/s from the first scrape that saw a trace to the last trace accounted for
     traces: float  #: traces consumed in that span
     span: float  #: seconds
     cpu: dict[str, float]  #: CPU seconds in that span, per process (service, its children, broker)
@@ -305,23 +306,26 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
                 done = metric(port, "attention_monitor_traces_consumed_total")
             except OSError:
                 done = 0.0
-            now = time.perf_counter()
+            now = time.time()
             if done and first is None:
                 first = (now, done)
                 cpu_first = cpu_seconds(service.pid, "service") | cpu_seconds(broker_pid, "broker")
             if done:
                 cpu_last = cpu_seconds(service.pid, "service") | cpu_seconds(broker_pid, "broker")
             last = (now, done)
+        # the run ends when the last trace was accounted for, not at the scrape that saw it
+        # (up to a scrape interval later: a quarter of a 4 s run)
+        finished = metric(port, "attention_monitor_last_trace_timestamp_seconds")
         stage_seconds = metric(port, "attention_monitor_processing_seconds_sum") / max(
             1.0, metric(port, "attention_monitor_processing_seconds_count"))
         rejected = metric(port, "attention_monitor_traces_rejected_total")
     finally:
         service.stop()
-    if first is None or last is None or last[0] == first[0]:
+    if first is None or last is None or finished <= first[0]:
         raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
     if rejected:  # a service that refuses the traces does less work than one that measures them
         raise SystemExit(f"the service rejected {rejected:.0f} traces; see {work / 'monitor.log'}")
-    span = last[0] - first[0]
+    span = finished - first[0]
     cpu = {name: cpu_last[name] - cpu_first.get(name, 0.0) for name in cpu_last if not name.startswith("broker'")}
     return Served((last[1] - first[1]) / span, last[1] - first[1], span, cpu, stage_seconds, rss)
 
