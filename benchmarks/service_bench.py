@@ -8,7 +8,7 @@ measures on the same messages:
 - raw: a kafka-python consumer reading them, doing nothing else (records/s), first
   with the C allocator's defaults and kafka-python's 4 KiB socket reads, then with the
   settings the service applies to itself (:mod:`monitor.memory`,
-  :mod:`monitor.broker.socket_reads`); the second, faster one is the reference;
+  :mod:`monitor.broker.kafka_python`); the second, faster one is the reference;
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
@@ -59,7 +59,7 @@ from devstack.kafka import start_broker
 from devstack.process import ManagedProcess, free_port
 from monitor import wire
 from monitor.access import Keyring, ScopePolicy
-from monitor.broker.socket_reads import read_in_large_chunks
+from monitor.broker.kafka_python import read_in_large_chunks
 from monitor.codec import Limits, Trace, decode, encode
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector, DetectorConfig, Observation
@@ -405,7 +405,7 @@ def main() -> None:
     floor = min(raw, core)
     print(f"raw kafka-python consume   {raw_default:10.0f} records/s with the default allocator and socket reads")
     print(f"raw kafka-python consume   {raw:10.0f} records/s with the service's (monitor.memory, "
-          "monitor.broker.socket_reads): the reference")
+          "monitor.broker.kafka_python): the reference")
     print(f"core head_metrics only     {core_single:10.0f} traces/s one trace per call")
     print(f"core head_metrics only     {core_batched:10.0f} traces/s {CHUNK_RECORDS} traces per call, as the service")
     print(f"pipeline in-process        {in_process:10.0f} traces/s")

@@ -287,7 +287,7 @@ class _InOrder:
                 args = (after[0].result(),)
             try:
                 result.set_result(execute(self._judge, command, args))
-            except Exception as exc:  # a bug, not a record: every later result fails too
+            except Exception as exc:  # a bug, not a record: the service stops at its next check()
                 self._failure = exc
                 result.set_exception(MeasuringFailed(f"judging failed: {type(exc).__name__}: {exc}"))
 

@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry
 from monitor.access import contract_verifier
 from monitor.assignment import Assignment
 from monitor.broker.group import GroupConsumer
+from monitor.broker.kafka_python import read_in_large_chunks
 from monitor.broker.outputs import OutputProducer
-from monitor.broker.socket_reads import read_in_large_chunks
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
 from monitor.codec import named_contract
@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 RETRIES = 5
 #: how often the broker is asked for the trace partitions' end offsets (lag and liveness)
 LAG_INTERVAL_S = 2.0
+#: how often the contracts and references topics are read for news (each read is a round
+#: trip through kafka-python's network thread, ~1 ms; a trace naming a contract not known
+#: yet makes the service read the contracts topic to its end at once)
+TABLES_INTERVAL_S = 0.25
 T = TypeVar("T")
 
 
@@ -176,13 +180,15 @@ class Service:
         the pipeline get the poll that brought it."""
         s = self.settings
         running: deque[Future[Batch]] = deque()
-        lag_at = 0.0
+        lag_at = tables_at = 0.0
         while not self.stopping.is_set():
             records = _retry(lambda: consumer.poll(s.poll_timeout_ms), "poll")
             revoked, assigned = consumer.changes.take()
             self.assignment.revoke(revoked)  # not committed for from here on
-            for reader in readers:
-                reader.refresh()
+            if time.monotonic() - tables_at >= TABLES_INTERVAL_S:
+                tables_at = time.monotonic()
+                for reader in readers:
+                    reader.refresh()
             if self._names_unknown_contract(records):
                 # a model server publishes a contract just before its first traces: read the
                 # contracts topic to its end as of now, so those traces find it

@@ -24,6 +24,7 @@ from kafka.errors import KafkaError
 
 from monitor.broker.end_offsets import EndOffsets
 from monitor.broker.errors import infrastructure_error
+from monitor.broker.kafka_python import keep_finished_joins
 from monitor.errors import InfrastructureError
 from monitor.records import Record
 
@@ -64,6 +65,7 @@ class GroupConsumer:
         self.changes = _Changes()
         self.positions: dict[TP, int] = {}
         self._stash: list[Record] = []  #: records fetched while rejoining, handed out by the next poll
+        keep_finished_joins()  # see monitor.broker.kafka_python
         try:
             self._consumer = KafkaConsumer(
                 group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
