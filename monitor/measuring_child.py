@@ -58,13 +58,6 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
     if command is Command.MEASURE:
         return measurer.measure(args[0])
     if command is Command.MEASURE_PLACED:
-        import os
-        if os.environ.get("FAKE"):
-            cache = globals().setdefault("_CACHE", {})
-            n = len(args[0])
-            if n not in cache:
-                cache[n] = measurer.measure(_from_ring(args[0], ring))
-            return cache[n]
         return measurer.measure(_from_ring(args[0], ring))
     if command is Command.OBSERVE:
         return measurer.observe(args[0])
