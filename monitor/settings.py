@@ -83,8 +83,9 @@ class Settings(BaseSettings):
     socket_read_bytes: int = Field(1024 * 1024, ge=0, description="most bytes one read of a Kafka socket takes "
                                    "(kafka-python reads 4 KiB at a time, each read waiting its turn for the "
                                    "interpreter lock; see monitor.broker.kafka_python); 0: the library's own")
-    measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, measure "
-                                          "and detect beside the consumer (default: one less than the cores, "
+    measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, verify "
+                                          "and measure beside the consumer (one also judges; with several, the "
+                                          "service's process judges in order; default: one less than the cores, "
                                           "at least 1, at most 8); 0: a thread of the service's own process")
 
     # Export
