@@ -6,9 +6,9 @@ Starts a plaintext Kafka broker (devstack), fills a topic with signed traces, th
 measures on the same messages:
 
 - raw: a kafka-python consumer reading them, doing nothing else (records/s), first
-  with the C allocator's defaults and kafka-python's 4 KiB socket reads, then with the
-  settings the service applies to itself (:mod:`monitor.memory`,
-  :mod:`monitor.broker.kafka_python`); the second, faster one is the reference;
+  with the library's and the C allocator's defaults, then with the settings the service
+  applies to itself (:mod:`monitor.memory`, :mod:`monitor.broker.kafka_python`, its
+  fetch sizes); the second, faster one is the reference;
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
@@ -119,11 +119,11 @@ class Consumed:
     broker_cpu: float  #: CPU seconds per record in the broker
 
 
-def raw_consume(bootstrap: str, group: str, n: int, broker_pid: int) -> Consumed:
+def raw_consume(bootstrap: str, group: str, n: int, broker_pid: int, **fetch: int) -> Consumed:
     """A kafka-python consumer reading ``n`` records and doing nothing else: its rate and
     what it cost itself and the broker in CPU, from its first record to its last."""
     consumer = KafkaConsumer("b-traces", bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
-                             enable_auto_commit=False)
+                             enable_auto_commit=False, **fetch)
     seen, start, cpu, broker = 0, 0.0, 0.0, 0.0
     while seen < n:
         for batch in consumer.poll(timeout_ms=500).values():
@@ -382,7 +382,12 @@ def main() -> None:
         # what the service does at start; from here on in this process too
         reuse_freed_memory()
         read_in_large_chunks(Settings.model_fields["socket_read_bytes"].default)
-        consumed = max((raw_consume(bootstrap, f"raw-{i}", args.traces, pid) for i in range(2)), key=lambda c: c.rate)
+        # and the service's fetch sizes: the library's 1 MiB a partition fetches one 513 KiB
+        # record at a time (half the rate)
+        partition_bytes = Settings.model_fields["fetch_partition_bytes"].default
+        fetch = {"max_partition_fetch_bytes": partition_bytes, "fetch_max_bytes": 4 * partition_bytes}
+        consumed = max((raw_consume(bootstrap, f"raw-{i}", args.traces, pid, **fetch) for i in range(2)),
+                       key=lambda c: c.rate)
         raw = consumed.rate
         verify = verify_cpu(records)
 
@@ -421,9 +426,9 @@ def main() -> None:
         broker.stop()
 
     floor = min(raw, core)
-    print(f"raw kafka-python consume   {raw_default:10.0f} records/s with the default allocator and socket reads")
-    print(f"raw kafka-python consume   {raw:10.0f} records/s with the service's (monitor.memory, "
-          "monitor.broker.kafka_python): the reference")
+    print(f"raw kafka-python consume   {raw_default:10.0f} records/s with the library's defaults")
+    print(f"raw kafka-python consume   {raw:10.0f} records/s with the service's allocator, socket reads and "
+          "fetch sizes: the reference")
     print(f"core head_metrics only     {core_single:10.0f} traces/s one trace per call")
     print(f"core head_metrics only     {core_batched:10.0f} traces/s {per_call} traces per call, as the service")
     print(f"pipeline in-process        {in_process:10.0f} traces/s")
