@@ -98,8 +98,8 @@ def test_a_member_collects_the_join_a_timed_out_poll_left_behind(transports, kaf
     completes on the broker: its later polls must still apply the assignment (without
     the change they see no rejoin needed, hold nothing and fetch nothing)."""
     assert keep_finished_joins()
-    topic = make_topic("joins", partitions=1)
-    consumer = KafkaConsumer(bootstrap_servers=kafka_broker.bootstrap, group_id=unique_name("group"),
+    topic, group = make_topic("joins", partitions=1), unique_name("group")
+    consumer = KafkaConsumer(bootstrap_servers=kafka_broker.bootstrap, group_id=group,
                              enable_auto_commit=False, auto_offset_reset="earliest", metadata_max_age_ms=200)
     changes = Changes()
     try:
@@ -116,7 +116,10 @@ def test_a_member_collects_the_join_a_timed_out_poll_left_behind(transports, kaf
                 consumer.poll(timeout_ms=0)
             if len(changes.assigned) > assigned:
                 continue
-            time.sleep(1.0)  # the join completes on the broker meanwhile, uncollected
+            # the join completes on the broker meanwhile (the member's IO thread carries
+            # it), uncollected by any poll
+            while admin.describe_groups([group])[group]["group_state"] != "Stable":
+                assert time.monotonic() < deadline, "the rejoin never completed on the broker"
             while len(changes.assigned) == assigned:
                 assert time.monotonic() < deadline, "the member never applied the assignment of its rejoin"
                 consumer.poll(timeout_ms=200)
