@@ -191,8 +191,8 @@ class Measurer:
         """Each trace's metrics (or the error measuring it raised), its share of the time
         spent and whether its row masses passed decode's checks already, batching traces
         of equal shape and dtype."""
-        out: list[tuple[HeadMetrics | Exception, float, bool]] = [(ValueError("not measured"), 0.0, False)] * len(
-            traces)
+        unmeasured: tuple[HeadMetrics | Exception, float, bool] = (ValueError("not measured"), 0.0, False)
+        out = [unmeasured] * len(traces)
         groups: dict[tuple[tuple[int, ...], str], list[int]] = defaultdict(list)
         for j, trace in enumerate(traces):
             groups[(trace.weights.shape, trace.weights.dtype.str)].append(j)

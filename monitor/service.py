@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -198,9 +198,8 @@ class Service:
             measuring.sync_decisions(self.references)
             if revoked or assigned:
                 self.metrics.rebalances.inc()
-                if running:
-                    delivery.complete(Batch.merged([b.result() for b in running]))
-                    running.clear()
+                _complete(delivery, running)
+                running.clear()
                 if assigned:
                     records = self._reassign(consumer, pipeline, measuring, assigned, records)
                     self.health.assigned()
@@ -209,17 +208,16 @@ class Service:
             if len(running) > s.batches_in_flight or running[0].done():
                 # every batch done by now goes in one transaction: its latency (tens of ms)
                 # is paid once for them all, not once per poll
-                done = [running.popleft().result()]
+                done = [running.popleft()]
                 while running and running[0].done():
-                    done.append(running.popleft().result())
-                delivery.complete(Batch.merged(done))
+                    done.append(running.popleft())
+                _complete(delivery, done)
             self.metrics.observe_contracts(self.contracts)
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)
             self._maybe_save_state(measuring)
-        if running:
-            delivery.complete(Batch.merged([b.result() for b in running]))
+        _complete(delivery, running)
         log.info("stop requested: last batch committed")
 
     def _names_unknown_contract(self, records: list[Record]) -> bool:
@@ -304,6 +302,13 @@ class Service:
             self.state_file.save(measuring.state().result())
         except MeasuringFailed as exc:
             log.error("reference state not saved: %s", exc)
+
+
+def _complete(delivery: Delivery, batches: Iterable[Future[Batch]]) -> None:
+    """Commit these batches, in order, in one transaction (waiting for each to finish)."""
+    done = [batch.result() for batch in batches]
+    if done:
+        delivery.complete(Batch.merged(done))
 
 
 def _retry(action: Callable[[], T], what: str) -> T:

@@ -201,7 +201,8 @@ def test_fuzz_only_the_reject_error_escapes_without_hanging_or_growing():
         for data in _mutations(rng, seeds, 10_000):
             signal.alarm(5)
             try:
-                assert named_contract(data) is None or isinstance(named_contract(data), str)
+                named = named_contract(data)  # never raises either
+                assert named is None or isinstance(named, str)
                 decode_default(data)
                 outcomes["accepted"] = outcomes.get("accepted", 0) + 1
             except TraceRejected as exc:
