@@ -15,7 +15,7 @@ measures on the same messages:
 - service: ``python -m monitor run`` consuming them (traces/s, from its first trace
   to its last: from the first scrape, a second apart, that counts one to the time
   the service says it accounted for the last), with its memory (PSS) sampled
-  every 0.2 s.
+  every 0.2 s from its first trace to its last.
 
 Each reference is the best of two or three passes, and the service the best of two
 runs, with one measuring process and with ``--processes`` (default: the cores), runs
@@ -285,7 +285,7 @@ class Served:
     span: float  #: seconds
     cpu: dict[str, float]  #: CPU seconds in that span, per process (service, its children, broker)
     stage_seconds: float  #: mean time per trace in the stage
-    rss: list[int]  #: KiB, the service and its children, every 0.2 s
+    rss: list[int]  #: KiB, the service and its children, every 0.2 s from the first trace on
 
 
 def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
@@ -305,7 +305,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl)}
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
-    rss: list[int] = []
+    rss: list[tuple[float, int]] = []  #: (time, KiB)
     first, last, done = None, None, 0.0
     cpu_first: dict[str, float] = {}
     cpu_last: dict[str, float] = {}
@@ -313,7 +313,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
     try:
         while done < args.traces and time.monotonic() < deadline:
             service.check_alive()
-            rss.append(rss_kib(service.pid))
+            rss.append((time.time(), rss_kib(service.pid)))
             time.sleep(0.2)
             if time.monotonic() - scraped < SCRAPE_S:
                 continue
@@ -343,7 +343,9 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
         raise SystemExit(f"the service rejected {rejected:.0f} traces; see {work / 'monitor.log'}")
     span = finished - first[0]
     cpu = {name: cpu_last[name] - cpu_first.get(name, 0.0) for name in cpu_last}
-    return Served((last[1] - first[1]) / span, last[1] - first[1], span, cpu, stage_seconds, rss)
+    # not the start-up before the first trace (at least the last sample, for a very short run)
+    during = [kib for at, kib in rss if at >= first[0]] or [rss[-1][1]]
+    return Served((last[1] - first[1]) / span, last[1] - first[1], span, cpu, stage_seconds, during)
 
 
 def main() -> None:
