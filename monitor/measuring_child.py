@@ -12,6 +12,7 @@ leaves when its request pipe closes, which also happens when the service dies by
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import multiprocessing
 import signal
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 #: how long closing waits for the child to leave before it is killed
 STOP_TIMEOUT_S = 10.0
+#: the results pipe's buffer: a chunk's results (about 1.3 KB a trace measured, 3.3 KB
+#: a trace observed) fit, so the child goes on to the next chunk instead of waiting for the
+#: service's reader to take them (with Linux's default 64 KiB it waited 2–5 % of its
+#: time; A/B on the service bench, 4 pairs: +3 to +12 % traces/s)
+RESULTS_PIPE_BYTES = 1024 * 1024
 #: a record in the ring: topic, partition, offset, start, length
 Placed = tuple[str, int, int, int, int]
 
@@ -102,6 +108,7 @@ class Child:
         self.process.start()
         requests.close()  # only the child holds these ends now: its exit closes them
         results_end.close()
+        _widen(self._results)
         self._waiting: deque[Future[Any]] = deque()
         self._send = threading.Lock()
         self._failure: str | None = None
@@ -154,6 +161,16 @@ class Child:
             self._failure = why
         while self._waiting:
             self._waiting.popleft().set_exception(MeasuringFailed(f"the measuring process died: {self._failure}"))
+
+
+def _widen(pipe: Connection) -> None:
+    """Give the pipe a ``RESULTS_PIPE_BYTES`` buffer (Linux); where that is refused, it
+    keeps its size and the start log says so."""
+    try:
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, RESULTS_PIPE_BYTES)
+    except (AttributeError, OSError) as exc:  # not Linux, or above /proc/sys/fs/pipe-max-size
+        log.info("the measuring results pipe keeps its default size (%s): the measuring process may wait for "
+                 "the service to read its results", exc)
 
 
 def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ring_path: str) -> None:

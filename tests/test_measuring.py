@@ -3,7 +3,9 @@ cleanup. (The service tests run it against the real broker.)"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from monitor.core.detect import DetectorConfig
 from monitor.errors import MeasuringFailed, RejectReason
 from monitor.measure import Duplicate, Measured, MeasurerSpec, Rejected
 from monitor.measuring import MeasuringProcess, MeasuringThread, results, start_measuring
+from monitor.measuring_child import RESULTS_PIPE_BYTES
 from monitor.model_contract import ContractTable
 from monitor.records import Record
 from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
@@ -74,6 +77,20 @@ def test_the_child_process_gives_what_a_thread_gives(child):
     kinds = [type(r) for r in ours]
     assert kinds == [Measured] * 30 + [Duplicate] * 2 + [Rejected]
     assert ours[-1].reason is RejectReason.MALFORMED
+
+
+def test_a_chunks_results_fit_in_the_results_pipe(child):
+    """The child must not wait for the service's reader to take a chunk's results."""
+    child.sync_contracts(table())
+    batch = records(measuring_module.CHUNK_RECORDS)
+    measured = run(child, batch)
+    local = spec().build()
+    local.set_contracts(table().contracts())
+    observed = local.observe(records(measuring_module.CHUNK_RECORDS, start=1000))
+    largest = max(len(pickle.dumps((True, value))) for value in (measured, observed))
+    pipe = fcntl.fcntl(child._children[0]._results.fileno(), fcntl.F_GETPIPE_SZ)
+    assert pipe == RESULTS_PIPE_BYTES > 64 * 1024
+    assert largest < pipe
 
 
 def test_contracts_reach_the_child_when_the_table_changes(child):
