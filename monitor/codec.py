@@ -9,6 +9,7 @@ contract, then the values.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,14 +75,25 @@ def encode(header: TraceHeader, weights: NDArray[np.generic], key_id: str, secre
 def valid_keys(header: TraceHeader) -> NDArray[np.bool_]:
     """``[rows, keys]``: what each sampled row may see under the header's mask semantics."""
     k = header.key_count
-    keys = np.arange(k)
-    visible = np.ones((len(header.query_positions), k), dtype=bool)
+    keys = _key_indices(k)
+    visible: NDArray[np.bool_]
     if header.mask == "causal":
-        visible &= keys[None, :] <= np.asarray(header.query_positions)[:, None]
+        visible = keys[None, :] <= np.array(header.query_positions)[:, None]
+    else:
+        visible = np.ones((len(header.query_positions), k), dtype=bool)
     if header.padding:
         pad = keys < header.padding if header.padding_side == "left" else keys >= k - header.padding
         visible &= ~pad[None, :]
     return visible
+
+
+@functools.lru_cache(maxsize=8)
+def _key_indices(k: int) -> NDArray[np.intp]:
+    """``0 … k-1``, read-only, kept for the 8 key counts seen last (at most 8 x 8 bytes x
+    ``Limits.max_keys``)."""
+    keys = np.arange(k)
+    keys.flags.writeable = False
+    return keys
 
 
 def decode(

@@ -139,6 +139,22 @@ def test_padding_semantics():
     assert not visible[:, :4].any()
 
 
+@pytest.mark.parametrize("mask", ["causal", "bidirectional"])
+@pytest.mark.parametrize(("padding", "side"), [(0, "right"), (3, "left"), (3, "right")])
+def test_visible_keys_follow_the_mask_and_the_padding(mask, padding, side):
+    from monitor.schema import TraceHeader
+    header, _ = make_trace(2, keys=12, rows=4)
+    doc = {**json.loads(header.model_dump_json()), "mask": mask, "padding": padding, "padding_side": side}
+    h = TraceHeader.model_validate(doc)
+    padded = set(range(padding)) if side == "left" else set(range(12 - padding, 12))
+    expected = [[(mask == "bidirectional" or key <= row) and key not in padded for key in range(12)]
+                for row in h.query_positions]
+    for _ in range(2):  # the second call reads the key indices kept from the first
+        visible = valid_keys(h)
+        np.testing.assert_array_equal(visible, np.array(expected))
+        visible[:] = False  # the caller's to change: nothing kept is touched
+
+
 def test_rejections_after_the_signature_carry_the_header_for_the_dead_letter():
     doc, weights = parts()
     record = rebuild({**doc, "scope": {"tenant": "other", "data_class": "pii"}}, weights.tobytes())
