@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     poll_timeout_ms: int = Field(500, gt=0)
     batches_in_flight: int = Field(2, gt=0, description="polled batches measured or accounted for at once; more "
                                    "keep the measuring process busy, each holds one poll's records in memory")
+    commit_interval_ms: int = Field(100, ge=0, description="finished batches wait up to this long to be committed "
+                                    "together, in one transaction (0: each as it finishes)")
     startup_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the broker at start")
     static_membership: bool = Field(True, description="join the group as <client_id>-<host> (group.instance.id): a "
                                     "restart within the session timeout keeps its partitions, no rebalance")

@@ -1,7 +1,8 @@
 """Writes the monitor's outputs and commits the offsets they came from, together.
 
-Every batch is one Kafka transaction: its outputs (anomaly, incident and dead-letter
-records) and the consumer offsets it allows to commit are sent, then committed at once,
+Every commit is one Kafka transaction (of one batch or of the batches that finished
+together): its outputs (anomaly, incident and dead-letter records) and the consumer
+offsets it allows to commit are sent, then committed at once,
 so a crash or a broker outage leaves either both or neither. Readers of the outputs use
 ``isolation_level="read_committed"``. The offsets go with the consumer's group metadata
 (KIP-447): after a rebalance an old owner's commit is refused by the broker instead of

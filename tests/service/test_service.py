@@ -174,6 +174,34 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
     assert reference_counts(again) == [30]
 
 
+@pytest.mark.parametrize("interval_ms", [0, 600_000])
+def test_batches_finished_within_the_commit_interval_share_one_transaction(kafka_broker, stack, interval_ms):
+    topics, start, _ = stack
+    monitor = start(commit_interval_ms=interval_ms, batch_max_records=2)  # many small batches
+    traces = healthy(12, 0)
+    send_traces(kafka_broker.bootstrap, topics.traces, traces)
+    send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
+    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
+                    revision="rev-1")
+    wait_for(lambda: monitor.value(joined) == 12, timeout=30, what="all 12 traces joined to their outcome")
+    commits = monitor.value("attention_monitor_commits_total")
+    if interval_ms:
+        assert commits <= 1  # the first finished batch commits at once, the others wait for the interval
+    else:
+        wait_for(lambda: monitor.value("attention_monitor_commits_total") >= 2, timeout=10,
+                 what="a transaction for each batch that finished apart")
+    monitor.process.proc.send_signal(signal.SIGTERM)
+    assert monitor.process.proc.wait(30) == 0  # the batches still waiting are committed on the way out
+    group = monitor.env["ATTENTION_MONITOR_GROUP_ID"]
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    try:
+        committed = admin.list_group_offsets(group)[group]
+    finally:
+        admin.close()
+    assert sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces) == 12, committed
+    assert "committing finished batches together at most every" in monitor.process.log_path.read_text()
+
+
 def reference_counts(monitor: Monitor) -> list[int]:
     """Traces behind each saved reference (the state file of the monitor's group)."""
     files = list(Path(monitor.env["ATTENTION_MONITOR_STATE_DIR"]).glob("reference-*.json"))
