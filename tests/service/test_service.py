@@ -155,14 +155,7 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
     wait_for(lambda: monitor.value(joined) == 20, timeout=30, what="all 20 traces joined to their outcome")
     monitor.process.proc.send_signal(signal.SIGTERM)
     assert monitor.process.proc.wait(30) == 0
-    group = monitor.env["ATTENTION_MONITOR_GROUP_ID"]
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
-    try:
-        committed = admin.list_group_offsets(group)[group]
-    finally:
-        admin.close()
-    total = sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces)
-    assert total == 20, committed
+    assert committed_traces(kafka_broker.bootstrap, monitor, topics.traces) == 20
     assert reference_counts(monitor) == [20]  # the stage's state, saved on the way out
     # A restart starts from the saved references and learns on from there.
     again = start(f"monitor-again-{processes}", measure_processes=processes)
@@ -192,14 +185,19 @@ def test_batches_finished_within_the_commit_interval_share_one_transaction(kafka
                  what="a transaction for each batch that finished apart")
     monitor.process.proc.send_signal(signal.SIGTERM)
     assert monitor.process.proc.wait(30) == 0  # the batches still waiting are committed on the way out
+    assert committed_traces(kafka_broker.bootstrap, monitor, topics.traces) == 12
+    assert "committing finished batches together at most every" in monitor.process.log_path.read_text()
+
+
+def committed_traces(bootstrap: str, monitor: Monitor, topic: str) -> int:
+    """The offsets the monitor's group committed on ``topic``, summed over its partitions."""
     group = monitor.env["ATTENTION_MONITOR_GROUP_ID"]
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         committed = admin.list_group_offsets(group)[group]
     finally:
         admin.close()
-    assert sum(meta.offset for tp, meta in committed.items() if tp.topic == topics.traces) == 12, committed
-    assert "committing finished batches together at most every" in monitor.process.log_path.read_text()
+    return sum(meta.offset for tp, meta in committed.items() if tp.topic == topic)
 
 
 def reference_counts(monitor: Monitor) -> list[int]:
