@@ -145,14 +145,9 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
     topics, start, _ = stack
     monitor = start(measure_processes=processes)
     assert len(measuring_processes(monitor)) == processes
-    traces = healthy(20, 0)
-    send_traces(kafka_broker.bootstrap, topics.traces, traces)
-    send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
     # Offsets are held back while a trace waits for its outcome; once all have joined,
     # everything read is committable.
-    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
-                    revision="rev-1")
-    wait_for(lambda: monitor.value(joined) == 20, timeout=30, what="all 20 traces joined to their outcome")
+    send_joined(kafka_broker.bootstrap, topics, monitor, 20)
     monitor.process.proc.send_signal(signal.SIGTERM)
     assert monitor.process.proc.wait(30) == 0
     assert committed_traces(kafka_broker.bootstrap, monitor, topics.traces) == 20
@@ -171,12 +166,7 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
 def test_batches_finished_within_the_commit_interval_share_one_transaction(kafka_broker, stack, interval_ms):
     topics, start, _ = stack
     monitor = start(commit_interval_ms=interval_ms, batch_max_records=2)  # many small batches
-    traces = healthy(12, 0)
-    send_traces(kafka_broker.bootstrap, topics.traces, traces)
-    send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
-    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
-                    revision="rev-1")
-    wait_for(lambda: monitor.value(joined) == 12, timeout=30, what="all 12 traces joined to their outcome")
+    send_joined(kafka_broker.bootstrap, topics, monitor, 12)
     commits = monitor.value("attention_monitor_commits_total")
     if interval_ms:
         assert commits <= 1  # the first finished batch commits at once, the others wait for the interval
@@ -187,6 +177,16 @@ def test_batches_finished_within_the_commit_interval_share_one_transaction(kafka
     assert monitor.process.proc.wait(30) == 0  # the batches still waiting are committed on the way out
     assert committed_traces(kafka_broker.bootstrap, monitor, topics.traces) == 12
     assert "committing finished batches together at most every" in monitor.process.log_path.read_text()
+
+
+def send_joined(bootstrap: str, topics, monitor: Monitor, n: int) -> None:
+    """Send ``n`` healthy layer-0 traces with a successful outcome each; wait until all joined."""
+    traces = healthy(n, 0)
+    send_traces(bootstrap, topics.traces, traces)
+    send_outcomes(bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in traces})
+    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
+                    revision="rev-1")
+    wait_for(lambda: monitor.value(joined) == n, timeout=30, what=f"all {n} traces joined to their outcome")
 
 
 def committed_traces(bootstrap: str, monitor: Monitor, topic: str) -> int:
