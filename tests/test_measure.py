@@ -110,3 +110,23 @@ def test_mass_faults_in_a_batch_are_rejected_with_decodes_reasons_and_the_others
     results = make_measurer().measure([Record("traces", 0, i, b"k", v) for i, v in enumerate(values)])
     assert [r.reason if isinstance(r, Rejected) else None for r in results] == expected
     assert all(isinstance(r, Measured) for r, e in zip(results, expected, strict=True) if e is None)
+
+
+def test_judging_a_chunk_together_gives_each_trace_its_own_verdict_around_a_duplicate():
+    """The detector works out a chunk's traces together before judging them in order; a
+    duplicate in the middle must not shift any trace onto another's numbers."""
+    values = [make_record(i, layer=i % 2) for i in range(12)]
+    values += [values[5]] + [make_record(100 + i, layer=1, collapse=0.9) for i in range(6)]
+    values += [make_record(200 + i, layer=0) for i in range(3)]
+    records = [Record("traces", 0, i, b"k", v) for i, v in enumerate(values)]
+    together = make_measurer().measure(records)
+    single = make_measurer()
+    alone = [single.measure([r])[0] for r in records]
+    assert [type(r) for r in together] == [type(r) for r in alone]
+    assert isinstance(together[12], Duplicate)
+    judged = [(a, b) for a, b in zip(together, alone, strict=True) if isinstance(a, Measured)]
+    assert any(a.anomalies for a, _ in judged)
+    for a, b in judged:
+        assert isinstance(b, Measured) and a.identity == b.identity
+        assert (a.anomalies, a.verdict.judged_by, a.verdict.learning) == (
+            b.anomalies, b.verdict.judged_by, b.verdict.learning)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +52,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from monitor.core.reference import LengthReference
+from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, head_similarity, standardise
 
 KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift")
-HEAD_METRICS = ("entropy", "concentration", "sink_share", "similarity")
 STATE_VERSION = 2
 LayerKey = tuple[str, str, int]  # model, revision, layer
 Revision = tuple[str, str]  # model, revision
@@ -140,6 +140,17 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """What :meth:`Detector.observe` works out of a trace before it touches any state:
+    its stream values and, when the reference that judges it was ready, its row of
+    ``standardised``. :meth:`Detector.ahead` works them out for many traces at once."""
+
+    values: NDArray[np.float64]
+    standardised: Standardised | None = None
+    row: int = 0
+
+
+@dataclass(frozen=True)
 class Decision:
     """How a revision is judged: by the reference of ``pinned_to``, or (``None``, after a
     promotion) by its own."""
@@ -171,48 +182,15 @@ def cusum_threshold(arl: float, k: float) -> float:
     return hi
 
 
-def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Each head's similarity to its nearest other head (NaN with fewer than two heads):
-    a head that turns into a copy of another shows here even when its mean similarity
-    to the rest hardly moves."""
-    h = similarity.shape[0]
-    if h < 2:
-        return np.full(h, np.nan)
-    others = np.where(np.isnan(similarity) | _diagonal(h), -np.inf, similarity)
-    nearest: NDArray[np.float64] = others.max(axis=1)
-    nearest[nearest == -np.inf] = np.nan  # a head with no similarity this trace
-    return nearest
-
-
-@functools.lru_cache(maxsize=64)
-def _diagonal(h: int) -> NDArray[np.bool_]:
-    eye = np.eye(h, dtype=bool)
-    eye.flags.writeable = False
-    return eye
-
-
-@dataclass(frozen=True)
-class _Streams:
-    """The streams of a layer of ``h`` heads, in judging order: layer diversity, each
-    head's nearest-neighbour similarity, entropy, concentration, sink share up and sink
-    share down; which value each reads, its bad direction, floor and threshold (the
-    same for every trace of that many heads)."""
-
-    block: dict[str, NDArray[np.intp]]  #: where each head metric's values sit in the value vector
-    floors: NDArray[np.float64]  #: per value
-    pick: NDArray[np.intp]
-    sign: NDArray[np.float64]
-    thresholds: NDArray[np.float64]
-
-    @staticmethod
-    def of(h: int, config: DetectorConfig, threshold: Callable[[int], float]) -> _Streams:
-        block = {m: np.arange(1 + i * h, 1 + (i + 1) * h) for i, m in enumerate(HEAD_METRICS)}
-        floors = np.concatenate(([config.min_sd["diversity"]], *(np.full(h, config.min_sd[m]) for m in HEAD_METRICS)))
-        pick = np.concatenate(([0], block["similarity"], block["entropy"], block["concentration"],
-                               block["sink_share"], block["sink_share"]))
-        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h), np.ones(h), -np.ones(h)))
-        thresholds = np.concatenate(([threshold(1)], np.full(3 * h, threshold(h)), np.full(2 * h, threshold(2 * h))))
-        return _Streams(block, floors, pick, sign, thresholds)
+def stream_values(observations: Sequence[Observation]) -> NDArray[np.float64]:
+    """``[N, 1 + 4H]``: each observation's value of every stream of its layer (layer
+    diversity, then each head's entropy, concentration, sink share and similarity to its
+    nearest other head); the observations share their head count."""
+    return np.concatenate((np.array([[o.diversity] for o in observations], dtype=np.float64),
+                           np.stack([o.entropy for o in observations]),
+                           np.stack([o.concentration for o in observations]),
+                           np.stack([o.sink_share for o in observations]),
+                           head_similarity(np.stack([o.similarity for o in observations]))), axis=1)
 
 
 #: a pair of heads counts as converging when its similarity rose this much above the
@@ -255,7 +233,7 @@ class Detector:
         self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
         self._announced: set[tuple[str, LayerKey]] = set()
         self._k = self.config.shift / 2
-        self._streams: dict[int, _Streams] = {}  #: by head count
+        self._streams: dict[int, Streams] = {}  #: by head count
 
     # --- who judges whom --------------------------------------------------------------
 
@@ -279,14 +257,40 @@ class Detector:
 
     # --- observations -------------------------------------------------------------------
 
-    def observe(self, obs: Observation) -> Verdict:
+    def ahead(self, observations: Sequence[Observation]) -> list[Ahead]:
+        """What :meth:`observe` will need of each observation, worked out for all of them
+        together (traces of equal head count share each array operation, which costs
+        most of judging one trace alone). Touches no state: observe the same observations
+        in the same order, each with its own, and the verdicts are exactly those of
+        observing them alone."""
+        by_heads: dict[int, list[int]] = {}
+        for i, obs in enumerate(observations):
+            by_heads.setdefault(len(obs.heads), []).append(i)
+        out: list[Ahead] = [Ahead(np.empty(0))] * len(observations)
+        for members in by_heads.values():
+            group = [observations[i] for i in members]
+            values = stream_values(group)
+            judged: dict[int, LengthReference] = {}  #: place in the group -> the ready reference judging it
+            for j, obs in enumerate(group):
+                ref = self.references.get((obs.model, self.judge_revision(obs.model, obs.revision), obs.layer))
+                if ref is not None and self._judges(ref, values.shape[1]):
+                    judged[j] = ref
+            table = self._standardise(list(judged.values()), [group[j].key_count for j in judged],
+                                      values[list(judged)]) if judged else None
+            rows = {j: row for row, j in enumerate(judged)}
+            for j, i in enumerate(members):
+                out[i] = Ahead(values[j], table if j in rows else None, rows.get(j, 0))
+        return out
+
+    def observe(self, obs: Observation, ahead: Ahead | None = None) -> Verdict:
         """Learn from ``obs`` while its revision's own reference is young (never for a
-        pinned revision); judge it once the reference that judges it is ready."""
+        pinned revision); judge it once the reference that judges it is ready.
+        ``ahead``: what :meth:`ahead` worked out for it (else it is worked out here)."""
         h = len(obs.heads)
         judge_revision = self.judge_revision(obs.model, obs.revision)
         events: list[str] = []
-        values = np.concatenate(([obs.diversity], obs.entropy, obs.concentration, obs.sink_share,
-                                 head_similarity(obs.similarity)))
+        ahead = ahead or self.ahead([obs])[0]
+        values = ahead.values
         own_key = (obs.model, obs.revision, obs.layer)
         evicted = 0
         if judge_revision == obs.revision:
@@ -305,7 +309,7 @@ class Detector:
         judge_key = (obs.model, judge_revision, obs.layer)
         ref = self._use(judge_key)
         count = 0 if ref is None else ref.traces
-        if ref is None or ref.traces < self.config.reference_traces or ref.streams != values.size:
+        if ref is None or not self._judges(ref, values.size):
             if self._announce("waiting", own_key):
                 events.append(f"{obs.model} {obs.revision} layer {obs.layer} is pinned to {judge_revision}, "
                               f"whose reference is not ready ({count} traces): its traces are not judged")
@@ -313,8 +317,16 @@ class Detector:
         if judge_revision != obs.revision and self._announce("pinned", own_key):
             events.append(f"{obs.model} {obs.revision} layer {obs.layer} is judged by the reference of "
                           f"{judge_revision} ({self.decisions[(obs.model, obs.revision)].source})")
-        anomalies, evidence = self._judge(own_key, ref, obs, values, h, judge_revision)
+        table, row = ahead.standardised, ahead.row
+        if table is None or table.references[row] is not ref:  # it became ready since
+            table, row = self._standardise([ref], [obs.key_count], values[None]), 0
+        anomalies, evidence = self._judge(own_key, ref, obs, table, row, h, judge_revision)
         return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events), evidence=evidence)
+
+    def _judges(self, ref: LengthReference, streams: int) -> bool:
+        """``ref`` is ready and has the streams of the trace to judge. A ready reference
+        learns no more, so what was standardised against it stays right."""
+        return ref.traces >= self.config.reference_traces and ref.streams == streams
 
     def _use(self, key: LayerKey) -> LengthReference | None:
         ref = self.references.get(key)
@@ -340,8 +352,20 @@ class Detector:
         self._announced.add((what, key))
         return True
 
-    def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, values: NDArray[np.float64], h: int,
-               ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
+    def _stream_table(self, h: int) -> Streams:
+        streams = self._streams.get(h)
+        if streams is None:
+            streams = self._streams[h] = Streams.of(h, self.config.min_sd, self._threshold)
+        return streams
+
+    def _standardise(self, refs: list[LengthReference], key_counts: list[int],
+                     values: NDArray[np.float64]) -> Standardised:
+        c = self.config
+        return standardise(self._stream_table((values.shape[1] - 1) // 4), refs, key_counts, values,
+                           pool=min(c.pool, c.reference_traces), clip=c.clip, k=self._k, min_effect=c.min_effect)
+
+    def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, table: Standardised, row: int,
+               h: int, ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
         """Every stream of the layer in one vector. Low diversity: layer diversity down,
         and each head's similarity to its nearest other head up (a group of heads turning into
         copies of each other may barely move the layer's mean); then per head entropy
@@ -349,22 +373,19 @@ class Detector:
         finding names the heads whose nearest-neighbour similarity rose, and those of the
         pairs whose similarity rose most above the reference's mean matrix."""
         c = self.config
-        streams = self._streams.get(h)
-        if streams is None:
-            streams = self._streams[h] = _Streams.of(h, c, self._threshold)
-        fit = ref.fit(obs.key_count, min(c.pool, c.reference_traces))
-        sd = np.fmax(fit.sd, streams.floors)  # a NaN deviation (too few observations) takes the floor
-        x, mean, dev = values[streams.pick], fit.mean[streams.pick], sd[streams.pick]
-        seen = np.isfinite(x) & np.isfinite(mean)
-        z = np.where(seen, streams.sign * (x - np.where(seen, mean, 0.0)) / dev, 0.0)
+        streams = self._stream_table(h)
+        step = table.step[row]
         old = self._cusum.get(key)
-        if old is None or old.shape != z.shape:
-            old = np.zeros_like(z)
+        if old is None or old.shape != step.shape:
+            old = np.zeros_like(step)
             while len(self._cusum) >= 2 * self.config.max_references:
                 del self._cusum[next(iter(self._cusum))]
-        s = np.maximum(0.0, old + np.minimum(z, c.clip) - self._k)
-        s = np.where(seen, s, old)  # a stream this trace says nothing about waits
-        hit = (s > streams.thresholds) & (z >= c.min_effect)
+        s = np.maximum(0.0, old + step)
+        hit = (s > streams.thresholds) & table.large[row]
+        if not hit.any():
+            self._cusum[key] = s
+            return [], None
+        x, mean, z = table.x[row], table.mean[row], table.z[row]
         found = []
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
@@ -385,11 +406,12 @@ class Detector:
         if not found:
             return found, None
         band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
+        fit_mean, sd = table.value_mean[row], table.value_sd[row]
         evidence = Evidence(obs.heads, obs.key_count, obs.similarity, ref.mean_matrix(),
                             {"entropy": obs.entropy, "concentration": obs.concentration,
                              "sink_share": obs.sink_share},
-                            {m: fit.mean[i] for m, i in band.items()}, {m: sd[i] for m, i in band.items()},
-                            (obs.diversity, float(fit.mean[0]), float(sd[0])))
+                            {m: fit_mean[i] for m, i in band.items()}, {m: sd[i] for m, i in band.items()},
+                            (obs.diversity, float(fit_mean[0]), float(sd[0])))
         return found, evidence
 
     def _threshold(self, streams: int) -> float:

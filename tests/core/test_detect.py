@@ -3,13 +3,14 @@ similarity falls with length, sinks and previous-token heads are healthy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from monitor.codec import valid_keys
-from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold
+from monitor.core.detect import Detector, DetectorConfig, Observation, Verdict, cusum_threshold
 from monitor.core.metrics import head_metrics
 from monitor.tools.scenario import Fault, Scenario
 
@@ -145,3 +146,64 @@ def test_references_are_bounded_and_the_one_unused_longest_goes():
     restored = Detector(DetectorConfig(max_references=2))
     restored.merge_state(detector.state_dict())
     assert len(restored.references) == 2
+
+
+def _same_statistics(a: Detector, b: Detector) -> bool:
+    """Both detectors hold the same CUSUM statistic for every stream (verdicts alone show
+    it only once it crosses)."""
+    return a._cusum.keys() == b._cusum.keys() and all(np.array_equal(a._cusum[k], b._cusum[k]) for k in a._cusum)
+
+
+def _same(a: Verdict, b: Verdict) -> bool:
+    if (a.anomalies, a.judged_by, a.learning, a.reference_traces, a.ready, a.events, a.evicted) != (
+            b.anomalies, b.judged_by, b.learning, b.reference_traces, b.ready, b.events, b.evicted):
+        return False
+    if a.evidence is None or b.evidence is None:
+        return a.evidence is b.evidence
+    x, y = a.evidence, b.evidence
+    arrays = [(x.similarity, y.similarity), (x.reference_similarity, y.reference_similarity)]
+    for mine, theirs in [(x.metrics, y.metrics), (x.band_mean, y.band_mean), (x.band_sd, y.band_sd)]:
+        arrays += [(mine[m], theirs[m]) for m in mine]
+    return (x.heads, x.key_count, x.diversity) == (y.heads, y.key_count, y.diversity) and all(
+        np.array_equal(p, q, equal_nan=True) for p, q in arrays)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_worked_out_ahead_for_a_chunk_the_verdicts_are_exactly_those_of_one_trace_at_a_time(chunk):
+    """The service works out every trace of a chunk together (Detector.ahead) before
+    observing them in order. References become ready, a pinned revision waits and is then
+    judged, faults raise anomalies with their evidence and references are evicted, all
+    inside chunks; every verdict must equal that of observing the traces alone."""
+    rng = np.random.default_rng(5)
+    traffic = [obs for scenario, requests in [(COLLAPSED, 5), (HEALTHY, 40), (COLLAPSED, 15), (SUNK, 10),
+                                              (HEALTHY, 10), (Scenario(revision="r4"), 20)]
+               for obs in observations(scenario, rng, requests)]
+    config = DetectorConfig(reference_traces=30, max_references=6, pins={("scenario-lm", "r2"): "r1",
+                                                                          ("scenario-lm", "r3"): "r1"})
+    alone, together = Detector(config), Detector(config)
+    expected = [alone.observe(obs) for obs in traffic]
+    got = []
+    for start in range(0, len(traffic), chunk):
+        part = traffic[start : start + chunk]
+        got += [together.observe(obs, ahead) for obs, ahead in zip(part, together.ahead(part), strict=True)]
+    assert sum(len(v.anomalies) for v in expected) >= 5 and sum(v.evicted for v in expected) >= 1
+    assert any(v.events for v in expected) and any(v.judged_by == "r1" for v in expected)
+    mismatched = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if not _same(a, b)]
+    assert not mismatched, (mismatched[:5], expected[mismatched[0]], got[mismatched[0]])
+    assert _same_statistics(alone, together)
+
+
+def test_a_trace_worked_out_against_a_reference_evicted_and_learnt_again_in_its_chunk_is_judged_by_the_new_one():
+    rng = np.random.default_rng(6)
+    layer0 = [obs for obs in observations(HEALTHY, rng, 12) if obs.layer == 0]
+    a = [dataclasses.replace(obs, revision="a") for obs in layer0]
+    b = [dataclasses.replace(obs, revision="b") for obs in layer0]
+    config = DetectorConfig(reference_traces=2, max_references=1)
+    first, chunk = a[:2], [a[2], b[0], a[3], a[4], a[5], a[6]]  # b evicts a; a learns again and is judged
+    alone, together = Detector(config), Detector(config)
+    expected = [alone.observe(obs) for obs in first + chunk]
+    got = [together.observe(obs) for obs in first]
+    got += [together.observe(obs, ahead) for obs, ahead in zip(chunk, together.ahead(chunk), strict=True)]
+    assert [v.learning for v in expected] == [True, True, False, True, True, True, False, False]
+    assert all(_same(x, y) for x, y in zip(expected, got, strict=True))
+    assert _same_statistics(alone, together)

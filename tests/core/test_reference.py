@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitor.core.reference import LengthReference, length_x
+from monitor.core.reference import LengthReference, fits, length_x
 
 
 def filled(rng, lengths, slope=-0.05, noise=0.02):
@@ -68,3 +68,16 @@ def test_merging_two_references_equals_one_fed_both(observations, cut):
     assert merged.traces == whole.traces and merged.bins.keys() == whole.bins.keys()
     for b in whole.bins:
         np.testing.assert_allclose(merged.bins[b], whole.bins[b], rtol=1e-12, atol=1e-12)
+
+
+def test_fits_of_many_traces_are_exactly_each_traces_own_fit():
+    """The detector standardises a chunk's traces together: row for row, ``fits`` must
+    give what ``fit`` gives, across references, length bins and lengths beyond the data."""
+    rng = np.random.default_rng(7)
+    a, _ = filled(rng, rng.integers(6, 300, size=200))
+    b, _ = filled(rng, rng.integers(20, 60, size=80), slope=0.1)
+    pairs = [(ref, int(n)) for ref in (a, b, a) for n in (1, 7, 33, 34, 250, 4096)]
+    mean, sd = fits([ref for ref, _ in pairs], [n for _, n in pairs], pool=40)
+    for i, (ref, n) in enumerate(pairs):
+        one = ref.fit(n, pool=40)
+        assert np.array_equal(mean[i], one.mean, equal_nan=True) and np.array_equal(sd[i], one.sd, equal_nan=True)
