@@ -186,6 +186,10 @@ def stream_values(observations: Sequence[Observation]) -> NDArray[np.float64]:
     """``[N, 1 + 4H]``: each observation's value of every stream of its layer (layer
     diversity, then each head's entropy, concentration, sink share and similarity to its
     nearest other head); the observations share their head count."""
+    if len(observations) == 1:
+        o = observations[0]
+        return np.concatenate(([o.diversity], o.entropy, o.concentration, o.sink_share,
+                               head_similarity(np.asarray(o.similarity))))[None]
     return np.concatenate((np.array([[o.diversity] for o in observations], dtype=np.float64),
                            np.stack([o.entropy for o in observations]),
                            np.stack([o.concentration for o in observations]),

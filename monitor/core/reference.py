@@ -215,6 +215,9 @@ def fits(references: Sequence[LengthReference], key_counts: Sequence[int],
         at.append(min(max(x, local.lo), local.hi))
     if not distinct:
         return np.empty((0, 0)), np.empty((0, 0))
-    packed = np.stack([local.packed for local in distinct])[index]  # [N, 4, streams]
+    if len(distinct) == 1:  # one reference, one length bin: the usual chunk of a layer
+        packed = np.broadcast_to(distinct[0].packed, (len(index), *distinct[0].packed.shape))
+    else:
+        packed = np.stack([local.packed for local in distinct])[index]  # [N, 4, streams]
     mean = np.where(packed[:, 3] > 0, packed[:, 0] + packed[:, 1] * np.array(at)[:, None], np.nan)
     return mean, packed[:, 2]
