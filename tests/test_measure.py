@@ -130,3 +130,22 @@ def test_judging_a_chunk_together_gives_each_trace_its_own_verdict_around_a_dupl
         assert isinstance(b, Measured) and a.identity == b.identity
         assert (a.anomalies, a.verdict.judged_by, a.verdict.learning) == (
             b.anomalies, b.verdict.judged_by, b.verdict.learning)
+
+
+def test_when_working_out_a_chunk_together_fails_each_trace_is_judged_alone(monkeypatch, caplog):
+    records = [Record("traces", 0, i, b"k", make_record(i)) for i in range(8)]
+    expected = make_measurer().measure(records)
+    measurer = make_measurer()
+    alone = measurer.detector.ahead
+
+    def failing(observations):
+        if len(observations) > 1:
+            raise ValueError("simulated failure of the chunk")
+        return alone(observations)
+
+    monkeypatch.setattr(measurer.detector, "ahead", failing)
+    got = measurer.measure(records)
+    assert all(isinstance(r, Measured) for r in got)
+    assert [(r.anomalies, r.verdict.learning, r.verdict.ready) for r in got] == [
+        (r.anomalies, r.verdict.learning, r.verdict.ready) for r in expected]
+    assert "judging 8 traces together failed unexpectedly" in caplog.text
