@@ -3,6 +3,9 @@ failure costs no other trace its result."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 
@@ -149,3 +152,31 @@ def test_when_working_out_a_chunk_together_fails_each_trace_is_judged_alone(monk
     assert [(r.anomalies, r.verdict.learning, r.verdict.ready) for r in got] == [
         (r.anomalies, r.verdict.learning, r.verdict.ready) for r in expected]
     assert "judging 8 traces together failed unexpectedly" in caplog.text
+
+
+def test_a_chunks_observations_cross_in_one_pickle_with_their_metrics_stacked():
+    """What a measuring process hands the judge: every trace, rejection and field as it
+    was, in order; each metric of the traces one array in the pickle."""
+    records = [*mixed_records()[:12], Record("traces", 0, 100, b"k", b"garbage")]
+    measurer = make_measurer()
+    same_shape = measurer.observe(records)
+    assert isinstance(same_shape, measure_module.ObservedChunk) and isinstance(same_shape[-1], Rejected)
+    three = dataclasses.replace(same_shape[0], heads=("a", "b", "c"), entropy=np.zeros(3), concentration=np.ones(3),
+                                sink_share=np.zeros(3), similarity=np.eye(3))
+    mixed = measure_module.ObservedChunk([*same_shape, three])  # two head counts: each trace as it is
+    for chunk in (same_shape, mixed):
+        data = pickle.dumps(chunk, protocol=5)
+        back = pickle.loads(data)
+        assert type(back) is list and len(back) == len(chunk)
+        for a, b in zip(chunk, back, strict=True):
+            assert type(a) is type(b)
+            if isinstance(a, Rejected):
+                assert (a.reason, a.detail) == (b.reason, b.detail)
+                continue
+            for name in ("entropy", "concentration", "sink_share", "similarity"):
+                assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True)
+            assert (a.identity, a.heads, a.diversity, a.effective_heads, a.seconds) == (
+                b.identity, b.heads, b.diversity, b.effective_heads, b.seconds)
+    stacked = pickle.dumps(same_shape, protocol=5)
+    assert b"_unstack" in stacked and b"_unstack" not in pickle.dumps(mixed, protocol=5)
+    assert len(stacked) < len(pickle.dumps(list(same_shape), protocol=5))
