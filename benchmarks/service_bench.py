@@ -453,8 +453,9 @@ def main() -> None:
         per_trace = sum(run.cpu.values()) / run.traces
         service_only = sum(v for k, v in run.cpu.items() if not k.startswith("broker")) / run.traces
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
+        ratios = ", ".join(f"{r.rate:.0f} ({sum(r.cpu.values()) / r.traces / least:.2f}x)" for r in runs)
         print(f"service, {n} measuring process{'es' if n > 1 else ''}: {run.rate:.0f} traces/s = "
-              f"{run.rate / floor:.0%} of min(raw, core); runs {', '.join(f'{r.rate:.0f}' for r in runs)}")
+              f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references') {ratios}")
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references'), "
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
         print(f"  at this CPU per trace {cores} cores allow {cores / per_trace:.0f} traces/s "
