@@ -267,6 +267,12 @@ def test_named_contract_reads_the_header_unverified_and_never_raises():
         return wire.pack(doc, bytes(frame.payload), KEY_ID, SECRET)
 
     assert named_contract(with_header(b'{"contract_id": "other"}')) == "other"
+    # what the byte scan leaves to the JSON parser: escapes, and a key given twice
+    assert named_contract(with_header(b'{"contract_id": "a\\u0041\\"b"}')) == 'aA"b'
+    assert named_contract(with_header(b'{"contract_id": "first", "contract_id": "last"}')) == "last"
+    assert named_contract(with_header(b'{"note": "contract_id", "contract_id": "c"}')) == "c"
+    # a header that is no JSON beyond the pair still names its contract: decode rejects the record
+    assert named_contract(with_header(b'{"contract_id": "c", broken')) == "c"
     for doc in (b"[1, 2]", b'{"contract_id": 7}', b"{not json", b"\xff\xfe", b'{"layer": 0}'):
         assert named_contract(with_header(doc)) is None, doc
     assert named_contract(b"not a trace record") is None
