@@ -19,7 +19,9 @@ measures on the same messages:
 
 Each reference is the best of two or three passes, and the service the best of two
 runs, with one measuring process and with ``--processes`` (default: the cores), runs
-alternating. Goals: the service at least 65 % of the lower of raw and core at 129 KiB
+alternating. The references' CPU is measured once more just before each run (one pass
+of each), and each run's CPU per trace is compared with both: the speed of this VM
+drifts within minutes. Goals: the service at least 65 % of the lower of raw and core at 129 KiB
 traces (90 % at 513 KiB), its CPU per trace within 1.3x the references', and flat memory.
 
 It also prints ceilings. One holds for any service: it adds the CPU the references
@@ -425,8 +427,12 @@ def main() -> None:
 
         counts = sorted({1, args.processes})
         served_by: dict[int, list[Served]] = {n: [] for n in counts}
+        beside: dict[int, list[float]] = {n: [] for n in counts}  #: the references' CPU just before each run
         for i in range(2):  # alternate, so drift on this noisy machine hits both alike
             for n in counts:
+                again = raw_consume(bootstrap, f"raw-beside-{n}-{i}", args.traces, pid, **fetch)
+                beside[n].append(again.consumer_cpu + again.broker_cpu + verify_cpu(records)
+                                 + 1 / core_rate(decoded, per_call))
                 served_by[n].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{i}", args, n))
     finally:
         broker.stop()
@@ -450,13 +456,17 @@ def main() -> None:
           f"{required.detector * 1e6:.0f} us, join and export {required.account * 1e6:.0f} us): {own * 1e3:.2f} ms")
     for n, runs in served_by.items():
         run = max(runs, key=lambda r: r.rate)
+        adjacent = beside[n][runs.index(run)]
         per_trace = sum(run.cpu.values()) / run.traces
         service_only = sum(v for k, v in run.cpu.items() if not k.startswith("broker")) / run.traces
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
-        ratios = ", ".join(f"{r.rate:.0f} ({sum(r.cpu.values()) / r.traces / least:.2f}x)" for r in runs)
+        ratios = ", ".join(f"{r.rate:.0f} ({sum(r.cpu.values()) / r.traces / least:.2f}x; "
+                           f"{sum(r.cpu.values()) / r.traces / b:.2f}x)" for r, b in zip(runs, beside[n], strict=True))
         print(f"service, {n} measuring process{'es' if n > 1 else ''}: {run.rate:.0f} traces/s = "
-              f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references') {ratios}")
-        print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references'), "
+              f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references'; against "
+              f"their CPU measured again just before the run) {ratios}")
+        print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references', "
+              f"{per_trace / adjacent:.2f}x their {adjacent * 1e3:.2f} ms just before the run), "
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
         print(f"  at this CPU per trace {cores} cores allow {cores / per_trace:.0f} traces/s "
               f"({cores / per_trace / floor:.0%} of min(raw, core)); the run kept {run.rate * per_trace / cores:.0%} "
