@@ -37,6 +37,13 @@ Calibration
     diversity has the layer's stream and the heads' similarity streams, so at most twice
     that. The effect-size gate only removes alarms, so the realised rate is at most that.
     The defaults were chosen on realistic traffic (``benchmarks/detection_eval.py``).
+
+Many traces at once
+    Standardising a trace is array work that does not depend on the traces before it
+    once its reference is ready; the CUSUM does. :meth:`Detector.ahead` standardises a
+    chunk's traces together (:mod:`monitor.core.standardise`) and :meth:`Detector.observe`
+    then judges them one by one, in order, with exactly the verdicts of observing each
+    alone (half the cost per trace on the service's chunks).
 """
 
 from __future__ import annotations
