@@ -22,6 +22,7 @@ from kafka import KafkaAdminClient
 
 from devstack.kafka import KafkaBroker, start_broker
 from devstack.prometheus import Alertmanager, Prometheus, binary, start_alertmanager, start_prometheus
+from devstack.wait import wait_for
 from devstack.webhook import WebhookReceiver
 
 #: fixture -> the marker a test using it (directly or through other fixtures) must carry
@@ -114,8 +115,9 @@ def _topic_factory(client: KafkaAdminClient, unique_name: Callable[[str], str]) 
         return name
 
     yield make
-    if created:
-        client.delete_topics(created, raise_errors=False)
+    if created:  # after a broker restart the client reconnects first (NodeNotReadyError until then)
+        wait_for(lambda: client.delete_topics(created, raise_errors=False) or True, timeout=30,
+                 what=f"topics {created} deleted")
 
 
 @pytest.fixture
