@@ -58,8 +58,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from monitor.core.converging import named_heads
 from monitor.core.reference import LengthReference
-from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, head_similarity, standardise
+from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
 
 KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift")
 STATE_VERSION = 2
@@ -187,50 +188,6 @@ def cusum_threshold(arl: float, k: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if run_length(mid) < arl else (lo, mid)
     return hi
-
-
-def stream_values(observations: Sequence[Observation]) -> NDArray[np.float64]:
-    """``[N, 1 + 4H]``: each observation's value of every stream of its layer (layer
-    diversity, then each head's entropy, concentration, sink share and similarity to its
-    nearest other head); the observations share their head count."""
-    if len(observations) == 1:
-        o = observations[0]
-        return np.concatenate(([o.diversity], o.entropy, o.concentration, o.sink_share,
-                               head_similarity(np.asarray(o.similarity))))[None]
-    return np.concatenate((np.array([[o.diversity] for o in observations], dtype=np.float64),
-                           np.stack([o.entropy for o in observations]),
-                           np.stack([o.concentration for o in observations]),
-                           np.stack([o.sink_share for o in observations]),
-                           head_similarity(np.stack([o.similarity for o in observations]))), axis=1)
-
-
-#: a pair of heads counts as converging when its similarity rose this much above the
-#: reference's mean matrix, by at least half the largest rise of the layer, and the two
-#: attend nearly alike now (the reference matrix is a mean over all lengths, so a rise
-#: alone also catches pairs that are merely more alike on short traces)
-PAIR_RISE = 0.2
-PAIR_COPY = 0.9
-
-
-def _joined_heads(similarity: NDArray[np.float64], reference: NDArray[np.float64] | None,
-                  core: set[int]) -> set[int]:
-    """Heads that became near copies of a head of ``core`` (those the nearest-neighbour
-    streams name), their pair's similarity risen most above the reference's mean matrix:
-    a group of heads turning into copies, even when some of them already had a near twin
-    (so their own nearest-neighbour similarity hardly moved)."""
-    if not core or reference is None or reference.shape != similarity.shape or similarity.shape[0] < 2:
-        return set()
-    with np.errstate(invalid="ignore"):
-        rise = np.where(np.eye(similarity.shape[0], dtype=bool), np.nan, similarity - reference)
-    if not np.isfinite(rise).any():
-        return set()
-    top = float(np.nanmax(rise))
-    if top < PAIR_RISE:
-        return set()
-    with np.errstate(invalid="ignore"):
-        pairs = (rise >= max(PAIR_RISE, top / 2)) & (similarity >= PAIR_COPY)
-    members = sorted(core)
-    return {int(i) for i in np.flatnonzero(pairs[:, members].any(axis=1))}
 
 
 class Detector:
@@ -401,9 +358,7 @@ class Detector:
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
             core = {i for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z}
-            joined = _joined_heads(obs.similarity, ref.mean_matrix(), core)
-            named = [obs.heads[i] for i in range(h) if i in core or (i in joined and z[1 + i] >= 0)]
-            heads = tuple(named) or self._converging_heads(obs.heads, z, h)
+            heads = named_heads(obs.heads, core, z[1 : 1 + h], obs.similarity, ref.mean_matrix())
             score = float(s[: 1 + h][hit[: 1 + h]].max())
             found.append(Anomaly("low_diversity", obs.layer, heads, obs.diversity, float(mean[0]), float(z[strongest]),
                                  score, ref_revision))
@@ -414,8 +369,6 @@ class Detector:
                                  float(z[j]), float(s[j]), ref_revision))
         s[hit] = 0.0
         self._cusum[key] = s
-        if not found:
-            return found, None
         band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
         fit_mean, sd = table.value_mean[row], table.value_sd[row]
         evidence = Evidence(obs.heads, obs.key_count, obs.similarity, ref.mean_matrix(),
@@ -427,14 +380,6 @@ class Detector:
 
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
-
-    def _converging_heads(self, heads: tuple[str, ...], z: NDArray[np.float64], h: int) -> tuple[str, ...]:
-        """When only the layer's diversity moved: the heads whose similarity to the others
-        rose most (at least half the largest rise)."""
-        rise = z[1 : 1 + h]
-        if not (rise > 0).any():
-            return heads
-        return tuple(heads[i] for i in range(h) if rise[i] >= float(rise.max()) / 2)
 
     # --- state --------------------------------------------------------------------------
 
