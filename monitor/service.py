@@ -131,6 +131,8 @@ class Service:
             self.metrics.measuring_processes.set(processes)
             log.info("measuring in %s", "a thread of this process" if processes == 0 else
                      f"{processes} child process{'es' if processes > 1 else ''} ({os.cpu_count()} cores)")
+            if (warning := s.measuring_warning()) is not None:
+                log.warning("%s", warning)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
                                 join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s)
             for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):

@@ -67,3 +67,28 @@ def test_demo_command_finishes_and_exits_zero():
     result = runner.invoke(app, ["demo", "--port", "0", "--pace", "0", "--requests", "130"])
     assert result.exit_code == 0, result.output
     assert "serving http://127.0.0.1:" in result.output and "Anomalies raised" in result.output
+
+
+def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(monkeypatch):
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": {"secret": "a-very-secret-value-123", '
+                       '"tenants": ["team-a"]}}')
+    monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 2)
+    expected = {None: None, "1": None, "2": "MEASURE_PROCESSES=2 on 2 cores leaves no core to the consumer",
+                "0": "MEASURE_PROCESSES=0 measures in a thread of the service's process"}
+    for processes, warning in expected.items():
+        if processes is None:
+            monkeypatch.delenv("ATTENTION_MONITOR_MEASURE_PROCESSES", raising=False)
+        else:
+            monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", processes)
+        result = runner.invoke(app, ["check-config"])
+        assert result.exit_code == 0, result.output
+        if warning is None:
+            assert "warning" not in result.output, (processes, result.output)
+        else:
+            assert f"warning: {warning}" in result.output, (processes, result.output)
+    monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 8)  # 7 by default; 8 would take the consumer's core
+    monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", "7")
+    assert "warning" not in runner.invoke(app, ["check-config"]).output
+    monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", "8")
+    assert "MEASURE_PROCESSES=8 on 8 cores" in runner.invoke(app, ["check-config"]).output

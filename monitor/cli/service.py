@@ -159,6 +159,8 @@ def check_config() -> None:
     except ConfigurationError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
+    if (warning := settings.measuring_warning()) is not None:
+        typer.echo(f"warning: {warning}")
     for key_id in keyring.legacy:
         typer.echo(f"warning: key {key_id} is a bare secret: it may sign any tenant and publish contracts; "
                    "give it tenants (attention-monitor keyring new writes the form)")
