@@ -45,6 +45,7 @@ from monitor.codec import named_contract
 from monitor.delivery import Delivery
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.exporter import MonitorMetrics
+from monitor.garbage import YOUNG_THRESHOLD, collect_less
 from monitor.health import Health
 from monitor.http import MetricsServer
 from monitor.measure import MeasurerSpec
@@ -140,6 +141,8 @@ class Service:
                 readers[-1].load(s.startup_timeout_s)
             log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
                      len(self.references.decisions))
+            log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
+                     "collected every %d allocations", collect_less(), YOUNG_THRESHOLD)
             producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
                                       on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
             consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
