@@ -20,8 +20,9 @@ the bench: the service process's collections went from 8.5 to 1.7 µs a trace (1
 19,400), and the measuring process's from 12 µs to none in 15,000 traces. A/B on the
 bench, alternating on one broker, one measuring process: with the service process's
 settings alone, median 2,200 → 2,232 traces/s in 4 pairs (+4, −4, −2, +9 %), within the
-noise; with both processes', while the VM ran slowly, 1,867 → 1,991 (+22, +8, −3,
-+10 %; CPU a trace 0.76–0.84 ms against 0.81–0.94). Garbage without cycles is freed
+noise; with both processes', 2,254 → 2,380 (+13, +3, +3, +5 %; CPU a trace 0.69–0.74 →
+0.67–0.72 ms, lower in every pair), and while the VM ran slowly 1,867 → 1,991 (+22, +8,
+−3, +10 %). Garbage without cycles is freed
 at once as always; garbage in cycles waits a little longer: fed 40,000 fresh traces, the
 service process levelled off at 174 MiB (PSS) after 22,000 instead of 170 after 8,000.
 """
