@@ -22,9 +22,9 @@ bench, alternating on one broker, one measuring process: with the service proces
 settings alone, median 2,200 → 2,232 traces/s in 4 pairs (+4, −4, −2, +9 %), within the
 noise; with both processes', 2,254 → 2,380 (+13, +3, +3, +5 %; CPU a trace 0.69–0.74 →
 0.67–0.72 ms, lower in every pair), and while the VM ran slowly 1,867 → 1,991 (+22, +8,
-−3, +10 %). Garbage without cycles is freed
-at once as always; garbage in cycles waits a little longer: fed 40,000 fresh traces, the
-service process levelled off at 174 MiB (PSS) after 22,000 instead of 170 after 8,000.
+−3, +10 %). Garbage without cycles is freed at once as always; garbage in cycles waits
+a little longer: fed 40,000 fresh traces, the service process levelled off at 174 MiB
+(PSS) after 22,000 instead of 170 after 8,000.
 """
 
 from __future__ import annotations
