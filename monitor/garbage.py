@@ -8,8 +8,8 @@ oldest generation, and every full collection walks the service's whole heap,
 including the tens of thousands of objects it made while starting (modules, functions,
 pydantic and Kafka client internals), which never become garbage. On the service bench
 (129 KiB traces, one measuring process) a full collection took 69 ms of the results
-reader's time, during which the consumer cannot run, and the collector cost about
-11 µs a trace. The measuring process, which holds the de-duplication window, spent
+reader's time, during which the consumer cannot run, and the collector cost 8.5–11 µs
+a trace. The measuring process, which holds the de-duplication window, spent
 about 12 µs a trace on 270 young collections per 17,000 traces.
 
 :func:`collect_less` moves what exists after start out of the collector's reach

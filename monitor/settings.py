@@ -158,8 +158,8 @@ class Settings(BaseSettings):
                     "at about the same CPU a trace")
         if processes > max(1, cores - 1):
             return (f"MEASURE_PROCESSES={processes} on {cores} cores leaves no core to the consumer: the processes "
-                    "take turns with it (on 2 cores, two ran up to 11 % slower than one, 3 % in the median run, "
-                    "with 2-15 % more CPU a trace)")
+                    "take turns with it (on 2 cores, two ran from 11 % slower to 10 % faster than one, 2 % slower "
+                    "in the median of 12 bench runs, with up to 15 % more CPU a trace)")
         return None
 
     def topics(self) -> Topics:
