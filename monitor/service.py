@@ -141,8 +141,9 @@ class Service:
                 readers[-1].load(s.startup_timeout_s)
             log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
                      len(self.references.decisions))
+            frozen = collect_less()
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
-                     "collected every %d allocations", collect_less(), YOUNG_THRESHOLD)
+                     "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
                                       on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
             consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],

@@ -152,6 +152,9 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
     assert monitor.process.proc.wait(30) == 0
     assert committed_traces(kafka_broker.bootstrap, monitor, topics.traces) == 20
     assert reference_counts(monitor) == [20]  # the stage's state, saved on the way out
+    log = monitor.process.log_path.read_text(errors="replace")
+    assert "garbage collector: " in log and "objects made while starting frozen" in log
+    assert ("MEASURE_PROCESSES=0 measures in a thread" in log) == (processes == 0)
     # A restart starts from the saved references and learns on from there.
     again = start(f"monitor-again-{processes}", measure_processes=processes)
     send_traces(kafka_broker.bootstrap, topics.traces, healthy(10, 0, start=20))
