@@ -32,7 +32,10 @@ signature check, which no service may skip, and divides the machine's cores by t
 No service runs faster; one within the CPU goal (1.3x that sum) runs at most 1/1.3 of
 it, so when that lies under the rate goal, this machine cannot meet both goals at once.
 Another is each run's own: the cores divided by its CPU per trace, with the share of
-the cores the run kept busy (rate = that ceiling x the share).
+the cores the run kept busy (rate = that ceiling x the share). Each run's CPU is also
+split by process, each against the part of the references it stands for: the service
+process against the raw consumer, the measuring processes against verifying and
+measuring alone, the broker against serving the raw consumer.
 
 Last, it measures alone, one step at a time, the per-trace work the service must do
 beyond what the references do: validating the header, the detector, and the join with
@@ -476,6 +479,14 @@ def main() -> None:
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references', "
               f"{per_trace / adjacent:.2f}x their {adjacent * 1e3:.2f} ms just before the run), "
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
+        consumer = run.cpu.get("service", 0.0) / run.traces
+        children = sum(v for k, v in run.cpu.items() if k.startswith("service's child")) / run.traces
+        parts = [("service process", consumer, "the raw consumer", consumed.consumer_cpu),
+                 ("measuring", children, "verifying and measuring alone", verify + 1 / core),
+                 ("broker", run.cpu.get("broker", 0.0) / run.traces, "serving the raw consumer", consumed.broker_cpu)]
+        print("  per process against its part of the references: " + ", ".join(
+            f"{name} {cpu * 1e3:.2f} ms ({reference} {part * 1e3:.2f} ms: {cpu / part:.2f}x)"
+            for name, cpu, reference, part in parts))
         print(f"  at this CPU per trace {cores} cores allow {cores / per_trace:.0f} traces/s "
               f"({cores / per_trace / floor:.0%} of min(raw, core)); the run kept {run.rate * per_trace / cores:.0%} "
               "of them busy")
@@ -485,7 +496,6 @@ def main() -> None:
         print(f"  memory (PSS) of the service and its children, median of each quarter of the run: "
               f"{', '.join(f'{m:.0f}' for m in medians)} MiB; peak {max(run.rss) / 1024:.0f} MiB "
               f"({len(run.rss)} samples)")
-        consumer = run.cpu.get("service", 0.0) / run.traces
         print(f"  projected per instance from CPU per trace (broker elsewhere): 8 cores {8 / service_only:.0f}, "
               f"16 cores {16 / service_only:.0f} traces/s, until the consumer process ({consumer * 1e3:.2f} ms a "
               f"trace, one core: {1 / consumer:.0f} traces/s) is the limit")
