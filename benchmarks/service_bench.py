@@ -34,8 +34,10 @@ it, so when that lies under the rate goal, this machine cannot meet both goals a
 Another is each run's own: the cores divided by its CPU per trace, with the share of
 the cores the run kept busy (rate = that ceiling x the share). Each run's CPU is also
 split by process, each against the part of the references it stands for: the service
-process against the raw consumer, the measuring processes against verifying and
-measuring alone, the broker against serving the raw consumer.
+process against the raw consumer (it also joins and exports, and with several measuring
+processes judges), the measuring processes against verifying and measuring alone (they
+also validate the header and, when there is one, judge), the broker against serving the
+raw consumer.
 
 Last, it measures alone, one step at a time, the per-trace work the service must do
 beyond what the references do: validating the header, the detector, and the join with
