@@ -350,8 +350,11 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
         rejected = metric(port, "attention_monitor_traces_rejected_total")
     finally:
         service.stop()
-    if first is None or last is None or finished <= first[0]:
+    if first is None or last is None:
         raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
+    if finished <= first[0]:
+        raise SystemExit(f"the service had accounted for its last trace ({done:.0f} of {args.traces}) before the "
+                         f"first scrape that counted one (every {SCRAPE_S:.0f} s): too few to time; give more --traces")
     if rejected:  # a service that refuses the traces does less work than one that measures them
         raise SystemExit(f"the service rejected {rejected:.0f} traces; see {work / 'monitor.log'}")
     span = finished - first[0]
@@ -363,7 +366,11 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--traces", type=int, default=4000)
+    parser.add_argument("--traces", type=int, default=4000,
+                        help="signed traces in the topic, read by every reference and service run (default 4000; "
+                             "a service run is timed from the first scrape that counts a trace, so with a few "
+                             "thousand or fewer the traces in flight then, measured partly before it, skew its CPU "
+                             "per trace: the figures in docs/operations.md use 12000)")
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
@@ -487,7 +494,8 @@ def main() -> None:
                  ("measuring", children, "verifying and measuring alone", verify + 1 / core),
                  ("broker", run.cpu.get("broker", 0.0) / run.traces, "serving the raw consumer", consumed.broker_cpu)]
         print("  per process against its part of the references: " + ", ".join(
-            f"{name} {cpu * 1e3:.2f} ms ({reference} {part * 1e3:.2f} ms: {cpu / part:.2f}x)"
+            f"{name} {cpu * 1e3:.2f} ms ({reference} {part * 1e3:.2f} ms"
+            f"{f': {cpu / part:.2f}x' if part else ''})"  # a short run's broker may not reach a clock tick
             for name, cpu, reference, part in parts))
         print(f"  at this CPU per trace {cores} cores allow {cores / per_trace:.0f} traces/s "
               f"({cores / per_trace / floor:.0%} of min(raw, core)); the run kept {run.rate * per_trace / cores:.0%} "
