@@ -487,7 +487,7 @@ def main() -> None:
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
         ratios = ", ".join(f"{r.rate:.0f} ({sum(r.cpu.values()) / r.traces / least:.2f}x; "
                            f"{sum(r.cpu.values()) / r.traces / b:.2f}x)" for r, b in zip(runs, beside[n], strict=True))
-        print(f"service, {n} measuring process{'es' if n > 1 else ''}: {run.rate:.0f} traces/s = "
+        print(f"service, {n} measuring process{'es' if n != 1 else ''}: {run.rate:.0f} traces/s = "
               f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references'; against "
               f"their CPU measured again just before the run) {ratios}")
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references', "
@@ -496,8 +496,11 @@ def main() -> None:
         consumer = run.cpu.get("service", 0.0) / run.traces
         children = sum(v for k, v in run.cpu.items() if k.startswith("service's child")) / run.traces
         parts = [("service process", consumer, "the raw consumer", consumed.consumer_cpu),
-                 ("measuring", children, "verifying and measuring alone", verify + 1 / core),
-                 ("broker", run.cpu.get("broker", 0.0) / run.traces, "serving the raw consumer", consumed.broker_cpu)]
+                 ("measuring", children, "verifying and measuring alone", verify + 1 / core)] if n else [
+                 ("service process, measuring in a thread", consumer, "the raw consumer, verifying and measuring",
+                  consumed.consumer_cpu + verify + 1 / core)]
+        parts.append(("broker", run.cpu.get("broker", 0.0) / run.traces, "serving the raw consumer",
+                      consumed.broker_cpu))
         print("  per process against its part of the references: " + ", ".join(
             f"{name} {cpu * 1e3:.2f} ms ({reference} {part * 1e3:.2f} ms"
             f"{f': {cpu / part:.2f}x' if part else ''})"  # a short run's broker may not reach a clock tick
@@ -525,7 +528,7 @@ def main() -> None:
           f"{min(measured) * 1e3:.2f}-{max(measured) * 1e3:.2f} ms) of this invocation:")
     for n, runs in served_by.items():
         run = max(runs, key=lambda r: r.rate)
-        print(f"  {n} measuring process{'es' if n > 1 else ''}: {run.rate / best_floor:.0%} of min(raw, core), "
+        print(f"  {n} measuring process{'es' if n != 1 else ''}: {run.rate / best_floor:.0%} of min(raw, core), "
               f"CPU per trace {sum(run.cpu.values()) / run.traces / middle:.2f}x the references'")
 
 
