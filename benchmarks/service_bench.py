@@ -306,6 +306,15 @@ class Served:
     stage_seconds: float  #: mean time per trace in the stage
     rss: list[int]  #: KiB, the service and its children, every 0.2 s from the first trace on
 
+    @property
+    def cpu_per_trace(self) -> float:
+        """CPU seconds a trace, every process (the broker's too)."""
+        return sum(self.cpu.values()) / self.traces
+
+
+def processes_label(n: int) -> str:
+    return f"{n} measuring process{'' if n == 1 else 'es'}"
+
 
 def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
     """``python -m monitor run`` with ``processes`` measuring processes in its own
@@ -482,16 +491,17 @@ def main() -> None:
     print(f"adding the service's own steps, each measured alone (header {required.header * 1e6:.0f} us, detector "
           f"{required.detector * 1e6:.0f} us, join and export {required.account * 1e6:.0f} us): {own * 1e3:.2f} ms")
     print(f"service warm-up run, not counted: {warm_up.rate:.0f} traces/s, CPU per trace "
-          f"{sum(warm_up.cpu.values()) / warm_up.traces / least:.2f}x the references'")
+          f"{warm_up.cpu_per_trace / least:.2f}x the references'")
+    fastest = {n: max(runs, key=lambda r: r.rate) for n, runs in served_by.items()}
     for n, runs in served_by.items():
-        run = max(runs, key=lambda r: r.rate)
+        run = fastest[n]
         adjacent = beside[n][runs.index(run)]
-        per_trace = sum(run.cpu.values()) / run.traces
+        per_trace = run.cpu_per_trace
         service_only = sum(v for k, v in run.cpu.items() if not k.startswith("broker")) / run.traces
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
-        ratios = ", ".join(f"{r.rate:.0f} ({sum(r.cpu.values()) / r.traces / least:.2f}x; "
-                           f"{sum(r.cpu.values()) / r.traces / b:.2f}x)" for r, b in zip(runs, beside[n], strict=True))
-        print(f"service, {n} measuring process{'es' if n != 1 else ''}: {run.rate:.0f} traces/s = "
+        ratios = ", ".join(f"{r.rate:.0f} ({r.cpu_per_trace / least:.2f}x; {r.cpu_per_trace / b:.2f}x)"
+                           for r, b in zip(runs, beside[n], strict=True))
+        print(f"service, {processes_label(n)}: {run.rate:.0f} traces/s = "
               f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references'; against "
               f"their CPU measured again just before the run) {ratios}")
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references', "
@@ -499,10 +509,12 @@ def main() -> None:
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
         consumer = run.cpu.get("service", 0.0) / run.traces
         children = sum(v for k, v in run.cpu.items() if k.startswith("service's child")) / run.traces
-        parts = [("service process", consumer, "the raw consumer", consumed.consumer_cpu),
-                 ("measuring", children, "verifying and measuring alone", verify + 1 / core)] if n else [
-                 ("service process, measuring in a thread", consumer, "the raw consumer, verifying and measuring",
-                  consumed.consumer_cpu + verify + 1 / core)]
+        if n:
+            parts = [("service process", consumer, "the raw consumer", consumed.consumer_cpu),
+                     ("measuring", children, "verifying and measuring alone", verify + 1 / core)]
+        else:  # measuring in a thread of the service's process
+            parts = [("service process, measuring in a thread", consumer,
+                      "the raw consumer, verifying and measuring", consumed.consumer_cpu + verify + 1 / core)]
         parts.append(("broker", run.cpu.get("broker", 0.0) / run.traces, "serving the raw consumer",
                       consumed.broker_cpu))
         print("  per process against its part of the references: " + ", ".join(
@@ -530,10 +542,9 @@ def main() -> None:
     print(f"summary against the best raw ({max(raw_rates):.0f} records/s) and core ({max(core_rates):.0f} traces/s) "
           f"rates and the median of the references' CPU ({middle * 1e3:.2f} ms; {len(measured)} measurements, "
           f"{min(measured) * 1e3:.2f}-{max(measured) * 1e3:.2f} ms) of this invocation:")
-    for n, runs in served_by.items():
-        run = max(runs, key=lambda r: r.rate)
-        print(f"  {n} measuring process{'es' if n != 1 else ''}: {run.rate / best_floor:.0%} of min(raw, core), "
-              f"CPU per trace {sum(run.cpu.values()) / run.traces / middle:.2f}x the references'")
+    for n, run in fastest.items():
+        print(f"  {processes_label(n)}: {run.rate / best_floor:.0%} of min(raw, core), "
+              f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references'")
 
 
 if __name__ == "__main__":
