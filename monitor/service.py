@@ -36,9 +36,10 @@ from prometheus_client import CollectorRegistry
 
 from monitor.access import contract_verifier
 from monitor.assignment import Assignment
-from monitor.broker.group import GroupConsumer
+from monitor.broker import choice as broker_client
 from monitor.broker.kafka_python import read_in_large_chunks
-from monitor.broker.outputs import OutputProducer
+from monitor.broker.member import Member
+from monitor.broker.outputs import Transactions
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
 from monitor.codec import named_contract
@@ -144,15 +145,7 @@ class Service:
             frozen = collect_less()
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
-            producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
-                                      on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
-            consumer = GroupConsumer(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
-                                     max_records=s.batch_max_records,
-                                     max_partition_fetch_bytes=s.fetch_partition_bytes,
-                                     group_instance_id=f"{s.client_id}-{socket.gethostname()}"
-                                     if s.static_membership else None,
-                                     session_timeout_ms=s.session_timeout_ms,
-                                     heartbeat_interval_ms=s.heartbeat_interval_ms)
+            producer, consumer = self._clients(kafka)
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
                                    self.topics.dead_letter])
             consumer.subscribe()
@@ -180,7 +173,29 @@ class Service:
                     client.close()
             server.stop()
 
-    def _loop(self, consumer: GroupConsumer, readers: list[TableReader], delivery: Delivery,
+    def _clients(self, kafka: dict[str, Any]) -> tuple[Transactions, Member]:
+        """The output producer and the group member, on the client KAFKA_CLIENT names."""
+        s = self.settings
+        versions = broker_client.versions(s.kafka_client)
+        self.metrics.kafka_client.info({"client": s.kafka_client, **versions})
+        log.info("consuming traces and writing outputs with %s %s (KAFKA_CLIENT)", s.kafka_client,
+                 " ".join(f"{k} {v}" for k, v in versions.items()))
+        member = broker_client.group_member(s.kafka_client)
+        producer = broker_client.output_producer(s.kafka_client)(
+            kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
+            on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
+        try:
+            consumer = member(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
+                              max_records=s.batch_max_records, max_partition_fetch_bytes=s.fetch_partition_bytes,
+                              group_instance_id=f"{s.client_id}-{socket.gethostname()}"
+                              if s.static_membership else None,
+                              session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=s.heartbeat_interval_ms)
+        except InfrastructureError:
+            producer.close()
+            raise
+        return producer, consumer
+
+    def _loop(self, consumer: Member, readers: list[TableReader], delivery: Delivery,
               measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
         """Poll a batch and hand it to the pipeline at once; commit batches in order as
         they complete. Up to ``batches_in_flight`` polled batches are measured or
@@ -259,7 +274,7 @@ class Service:
                 time.sleep(delay)
                 delay = min(2 * delay, 10.0)
 
-    def _check_broker(self, consumer: GroupConsumer) -> None:
+    def _check_broker(self, consumer: Member) -> None:
         """Ask the broker for the trace partitions' end offsets: the lag, and whether it answers."""
         try:
             self.metrics.lag.set(consumer.lag(self.topics.traces))
@@ -267,7 +282,7 @@ class Service:
         except InfrastructureError as exc:
             self.health.broker_silent(str(exc))
 
-    def _reassign(self, consumer: GroupConsumer, pipeline: Pipeline,
+    def _reassign(self, consumer: Member, pipeline: Pipeline,
                   measuring: MeasuringThread | MeasuringProcess, assigned: set[tuple[str, int]],
                   records: list[Record]) -> list[Record]:
         """Act on a completed rebalance, with no batch in flight; returns the records of

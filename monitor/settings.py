@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     heartbeat_interval_ms: int = Field(3_000, gt=0)
     delivery_timeout_ms: int = Field(120_000, gt=0, description="how long one output transaction may try to "
                                      "deliver before it is aborted and sent again")
+    kafka_client: Literal["confluent-kafka", "kafka-python"] = Field(
+        "confluent-kafka", description="the client that consumes traces and writes outputs: confluent-kafka "
+        "(librdkafka) parses records outside the interpreter, a third of kafka-python's CPU a record; the "
+        "tables, end offsets and admin verbs always use kafka-python")
 
     # Access
     keyring_file: Path | None = None

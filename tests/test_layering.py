@@ -33,7 +33,7 @@ RANKS: list[set[str]] = [
     {"__main__"},
 ]
 PACKAGES = {"core", "routing", "broker", "tools", "integrations", "triage", "study", "cli"}
-ONLY_HERE = {"kafka": "broker", "torch": "integrations", "transformers": "integrations"}
+ONLY_HERE = {"kafka": "broker", "confluent_kafka": "broker", "torch": "integrations", "transformers": "integrations"}
 
 
 def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
