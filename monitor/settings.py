@@ -91,8 +91,9 @@ class Settings(BaseSettings):
                                    "interpreter lock; see monitor.broker.kafka_python); 0: the library's own")
     measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, verify "
                                           "and measure beside the consumer (one also judges; with several, the "
-                                          "service's process judges in order; default: one less than the cores, "
-                                          "at least 1, at most 8); 0: a thread of the service's own process")
+                                          "service's process judges in order; default: one per core with "
+                                          "confluent-kafka, one less than the cores with kafka-python, at least 1, "
+                                          "at most 8); 0: a thread of the service's own process")
 
     # Export
     metrics_address: str = "127.0.0.1"
@@ -146,11 +147,18 @@ class Settings(BaseSettings):
         return f"{self.group_id}-{self.client_id}-{socket.gethostname()}".replace(os.sep, "_")
 
     def measuring_processes(self) -> int:
-        """MEASURE_PROCESSES, or what the machine's cores allow: one core stays with the
-        consumer (and on a small machine, often the broker)."""
+        """MEASURE_PROCESSES, or what the machine's cores allow: one per core when the
+        consumer runs on librdkafka (its process needs a fraction of a core: 0.15-0.17 ms
+        a 129 KiB trace on the service bench, against 0.43-0.45 ms measuring); with
+        kafka-python one core stays with the consumer (and on a small machine, often the
+        broker)."""
         if self.measure_processes is not None:
             return self.measure_processes
-        return max(1, min(8, (os.cpu_count() or 2) - 1))
+        return max(1, min(8, self._spare_cores()))
+
+    def _spare_cores(self) -> int:
+        cores = os.cpu_count() or 2
+        return cores if self.kafka_client == "confluent-kafka" else cores - 1
 
     def measuring_warning(self) -> str | None:
         """Why MEASURE_PROCESSES, as set, may be slower here than its default; None when
@@ -160,11 +168,15 @@ class Settings(BaseSettings):
             return ("MEASURE_PROCESSES=0 measures in a thread of the service's process, taking turns with the "
                     "consumer on one interpreter lock: on 2 cores it ran 23-33 % slower than one child process "
                     "at about the same CPU a trace")
-        if processes > max(1, cores - 1):
+        if processes <= max(1, self._spare_cores()):
+            return None
+        if self.kafka_client == "kafka-python":
             return (f"MEASURE_PROCESSES={processes} on {cores} cores leaves no core to the consumer: the processes "
-                    "take turns with it (on 2 cores, two ran from 11 % slower to 10 % faster than one, 2 % slower "
-                    "in the median of 12 bench runs, with up to 15 % more CPU a trace)")
-        return None
+                    "take turns with it (on 2 cores, with KAFKA_CLIENT=kafka-python, two ran from 11 % slower to "
+                    "10 % faster than one, 2 % slower in the median of 12 bench runs, with up to 15 % more CPU a "
+                    "trace)")
+        return (f"MEASURE_PROCESSES={processes} on {cores} cores: more measuring processes than cores take turns "
+                "on them, and each holds its own copy of the detector's work in memory")
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,

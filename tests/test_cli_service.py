@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from monitor.cli import app
+from monitor.settings import Settings
 from monitor.tools.demo import run_demo, summary
 
 runner = CliRunner()
@@ -69,12 +71,16 @@ def test_demo_command_finishes_and_exits_zero():
     assert "serving http://127.0.0.1:" in result.output and "Anomalies raised" in result.output
 
 
-def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(monkeypatch):
+@pytest.mark.parametrize(("client", "default"), [("confluent-kafka", 2), ("kafka-python", 1)])
+def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(monkeypatch, client, default):
     monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
     monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": {"secret": "a-very-secret-value-123", '
                        '"tenants": ["team-a"]}}')
+    monkeypatch.setenv("ATTENTION_MONITOR_KAFKA_CLIENT", client)
     monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 2)
-    expected = {None: None, "1": None, "2": "MEASURE_PROCESSES=2 on 2 cores leaves no core to the consumer",
+    crowded = (f"MEASURE_PROCESSES={default + 1} on 2 cores leaves no core to the consumer"
+               if client == "kafka-python" else "MEASURE_PROCESSES=3 on 2 cores: more measuring processes than cores")
+    expected = {None: None, "1": None, str(default): None, str(default + 1): crowded,
                 "0": "MEASURE_PROCESSES=0 measures in a thread of the service's process"}
     for processes, warning in expected.items():
         if processes is None:
@@ -83,12 +89,12 @@ def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(m
             monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", processes)
         result = runner.invoke(app, ["check-config"])
         assert result.exit_code == 0, result.output
+        if processes is None:
+            assert Settings().measuring_processes() == default
         if warning is None:
             assert "warning" not in result.output, (processes, result.output)
         else:
             assert f"warning: {warning}" in result.output, (processes, result.output)
-    monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 8)  # 7 by default; 8 would take the consumer's core
-    monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", "7")
-    assert "warning" not in runner.invoke(app, ["check-config"]).output
-    monkeypatch.setenv("ATTENTION_MONITOR_MEASURE_PROCESSES", "8")
-    assert "MEASURE_PROCESSES=8 on 8 cores" in runner.invoke(app, ["check-config"]).output
+    monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 8)  # one a core at most, and at most 8
+    monkeypatch.delenv("ATTENTION_MONITOR_MEASURE_PROCESSES")
+    assert Settings().measuring_processes() == {"confluent-kafka": 8, "kafka-python": 7}[client]

@@ -56,7 +56,7 @@ def test_an_outage_longer_than_the_delivery_timeout_loses_and_doubles_nothing(tm
         topics = make_topics(next(factory))
         publish_contracts(broker.bootstrap, topics)
         env = monitor_env(broker.bootstrap, topics, f"outage-{time.time_ns()}", tmp_path,
-                          delivery_timeout_ms=DELIVERY_TIMEOUT_S * 1000)
+                          delivery_timeout_ms=DELIVERY_TIMEOUT_S * 1000, measure_processes=1)
         monitor = Monitor(env, tmp_path / "monitor.log")
         monitor.wait_ready()
         reference = healthy(40, 0)

@@ -215,8 +215,8 @@ def test_a_dead_measuring_process_stops_the_monitor_with_exit_code_4(kafka_broke
     _, start, _ = stack
     monitor = start()
     measuring = measuring_processes(monitor)
-    assert len(measuring) == 1, measuring
-    os.kill(measuring[0], signal.SIGKILL)
+    assert measuring
+    os.kill(measuring[-1], signal.SIGKILL)  # any one of them
     assert monitor.process.proc.wait(30) == 4
     assert "the measuring process died" in monitor.process.log_path.read_text()
 
