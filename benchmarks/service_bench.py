@@ -12,7 +12,7 @@ measures on the same messages:
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
-- service: ``python -m monitor run`` consuming them (traces/s, from its first trace
+- service: ``python -m monitor run`` consuming them with ``--kafka-client`` (traces/s, from its first trace
   to its last: from the first scrape, a second apart, that counts one to the time
   the service says it accounted for the last), with its memory (PSS) sampled
   every 0.2 s from its first trace to its last.
@@ -330,7 +330,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
-           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl)}
+           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_KAFKA_CLIENT": args.kafka_client}
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -390,13 +390,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
                         help="the measuring processes of the second service configuration (default: the cores)")
+    parser.add_argument("--kafka-client", choices=("confluent-kafka", "kafka-python"), default="confluent-kafka",
+                        help="the service's KAFKA_CLIENT (default confluent-kafka, the service's own default); the "
+                             "raw reference consumes with kafka-python either way")
     parser.add_argument("--join-ttl", type=float, default=2.0,
                         help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
                              "long: a short TTL lets the run reach its steady state; default 2)")
     args = parser.parse_args()
     contract, table, records = make_records(args.traces, args.keys, args.rows)
     size = sum(len(v) for _, v in records) / len(records)
-    print(f"{args.traces} traces of [16, {args.rows}, {args.keys}] float16, {size / 1024:.1f} KiB each")
+    print(f"{args.traces} traces of [16, {args.rows}, {args.keys}] float16, {size / 1024:.1f} KiB each; the service "
+          f"consumes with {args.kafka_client}")
 
     broker = start_broker("plaintext")
     try:
