@@ -1,7 +1,7 @@
 """Completing a batch: its outputs and the offsets it allows, committed together.
 
 Offsets are committed only in the transaction that writes the batch's outputs
-(:class:`~monitor.broker.outputs.Transactions`), so nothing is committed without its
+(:class:`~monitor.broker.outputs.OutputProducer`), so nothing is committed without its
 output. When the batch taught a reference something, the reference state is saved
 first: a crash can never commit the traces that taught a reference it then forgets. A
 transaction that fails is aborted and tried again, with the same outputs and offsets,
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from monitor.assignment import Assignment
 from monitor.broker.member import Member
-from monitor.broker.outputs import GroupMovedOn, Transactions
+from monitor.broker.outputs import GroupMovedOn, OutputProducer
 from monitor.errors import InfrastructureError
 from monitor.exporter import MonitorMetrics
 from monitor.health import Health
@@ -33,7 +33,7 @@ STOP_GRACE_S = 30.0
 
 
 class Delivery:
-    def __init__(self, producer: Transactions, consumer: Member, pipeline: Pipeline,
+    def __init__(self, producer: OutputProducer, consumer: Member, pipeline: Pipeline,
                  assignment: Assignment, metrics: MonitorMetrics, health: Health, stopping: threading.Event,
                  save_state: Callable[[], None]):
         self.producer, self.consumer, self.pipeline = producer, consumer, pipeline

@@ -39,7 +39,7 @@ from monitor.assignment import Assignment
 from monitor.broker import choice as broker_client
 from monitor.broker.kafka_python import read_in_large_chunks
 from monitor.broker.member import Member
-from monitor.broker.outputs import Transactions
+from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
 from monitor.codec import named_contract
@@ -173,17 +173,16 @@ class Service:
                     client.close()
             server.stop()
 
-    def _clients(self, kafka: dict[str, Any]) -> tuple[Transactions, Member]:
-        """The output producer and the group member, on the client KAFKA_CLIENT names."""
+    def _clients(self, kafka: dict[str, Any]) -> tuple[OutputProducer, Member]:
+        """The output producer and the group member (on the client KAFKA_CLIENT names)."""
         s = self.settings
         versions = broker_client.versions(s.kafka_client)
         self.metrics.kafka_client.info({"client": s.kafka_client, **versions})
-        log.info("consuming traces and writing outputs with %s %s (KAFKA_CLIENT)", s.kafka_client,
+        log.info("consuming traces with %s %s (KAFKA_CLIENT)", s.kafka_client,
                  " ".join(f"{k} {v}" for k, v in versions.items()))
         member = broker_client.group_member(s.kafka_client)
-        producer = broker_client.output_producer(s.kafka_client)(
-            kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
-            on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
+        producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
+                                  on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
         try:
             consumer = member(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
                               max_records=s.batch_max_records, max_partition_fetch_bytes=s.fetch_partition_bytes,

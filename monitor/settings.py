@@ -54,9 +54,9 @@ class Settings(BaseSettings):
     delivery_timeout_ms: int = Field(120_000, gt=0, description="how long one output transaction may try to "
                                      "deliver before it is aborted and sent again")
     kafka_client: Literal["confluent-kafka", "kafka-python"] = Field(
-        "confluent-kafka", description="the client that consumes traces and writes outputs: confluent-kafka "
-        "(librdkafka) parses records outside the interpreter, a third of kafka-python's CPU a record; the "
-        "tables, end offsets and admin verbs always use kafka-python")
+        "confluent-kafka", description="the client that consumes traces: confluent-kafka (librdkafka) parses "
+        "records outside the interpreter, a third of kafka-python's CPU a record; the output producer, tables, "
+        "end offsets and admin verbs always use kafka-python")
 
     # Access
     keyring_file: Path | None = None

@@ -1,5 +1,5 @@
-"""The client that consumes traces and writes outputs (``KAFKA_CLIENT``): its classes and
-versions. confluent-kafka is imported only when chosen."""
+"""The client that consumes traces (``KAFKA_CLIENT``): its group member and versions.
+confluent-kafka is imported only when chosen."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Literal
 
 from monitor.broker.member import Member
-from monitor.broker.outputs import Transactions
 
 KafkaClient = Literal["confluent-kafka", "kafka-python"]
 
@@ -21,16 +20,6 @@ def versions(client: KafkaClient) -> dict[str, str]:
     import kafka
 
     return {"version": str(kafka.__version__)}
-
-
-def output_producer(client: KafkaClient) -> Callable[..., Transactions]:
-    if client == "confluent-kafka":
-        from monitor.broker.rd_outputs import RdOutputProducer
-
-        return RdOutputProducer
-    from monitor.broker.outputs import OutputProducer
-
-    return OutputProducer
 
 
 def group_member(client: KafkaClient) -> Callable[..., Member]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,15 +50,27 @@ class GroupMovedOn(InfrastructureError):
         super().__init__(f"the group moved on: {detail}", retriable=True)
 
 
-class Transactions(ABC):
-    """Runs each transaction in a thread of its own and waits for it in the caller's,
-    so the caller hears of a transaction that waits on the broker (see :meth:`commit`)."""
-
-    client_errors: tuple[type[Exception], ...]  #: the client's own errors
-
-    def __init__(self, delivery_timeout_ms: int, on_failure: Callable[[str], None]):
+class OutputProducer:
+    def __init__(self, kafka_config: dict[str, Any], transactional_id: str, *, delivery_timeout_ms: int = 120_000,
+                 on_failure: Callable[[str], None] = lambda reason: None):
+        """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
+        ``stalled`` (still waiting for the broker after the delivery timeout),
+        ``group_moved`` or ``fenced``."""
         self._on_failure = on_failure
         self._patience_s = delivery_timeout_ms / 1000
+        try:
+            # retry_backoff_ms: right after a commit the coordinator answers the next
+            # transaction's first request with CONCURRENT_TRANSACTIONS until its markers
+            # are written; kafka-python's default 100 ms backoff made every commit take
+            # 110–220 ms here, 20 ms (the Java client's backoff for that case) 23–38 ms
+            self._producer = KafkaProducer(
+                acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
+                retry_backoff_ms=20,
+                delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms // 2),
+                transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **kafka_config)
+            self._producer.init_transactions()
+        except KafkaError as exc:
+            raise infrastructure_error("cannot start the transactional output producer", exc) from exc
 
     def commit(self, outputs: Iterable[Output], offsets: dict[TP, int], group: Any,
                waiting: Callable[[], None] = lambda: None) -> None:
@@ -68,7 +79,7 @@ class Transactions(ABC):
         rebalanced meanwhile (nothing committed), :class:`InfrastructureError` when it
         could not commit (after aborting; retriable unless this producer was fenced).
 
-        The clients wait without a limit for the coordinator to answer; while the
+        kafka-python waits without a limit for the coordinator to answer; while the
         transaction has not finished after the delivery timeout, ``waiting`` is called
         (and the wait counted as ``stalled``) once every delivery timeout, so the caller
         can say it is not ready. The transaction then finishes either way once the broker
@@ -92,50 +103,6 @@ class Transactions(ABC):
         if outcome[0] is not None:
             raise outcome[0]
 
-    def _abort(self, reason: str, error: str) -> None:
-        self._on_failure(reason)
-        log.warning("output transaction failed (%s): aborting it; its outputs and offsets will be sent again", error)
-        started = time.monotonic()
-        try:
-            self._abort_transaction()
-        except self.client_errors as exc:
-            log.warning("aborting the transaction failed too (%s) after %.1f s", exc, time.monotonic() - started)
-
-    @abstractmethod
-    def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any) -> None: ...
-
-    @abstractmethod
-    def _abort_transaction(self) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
-class OutputProducer(Transactions):
-    """The output producer on kafka-python."""
-
-    client_errors = (KafkaError,)
-
-    def __init__(self, kafka_config: dict[str, Any], transactional_id: str, *, delivery_timeout_ms: int = 120_000,
-                 on_failure: Callable[[str], None] = lambda reason: None):
-        """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
-        ``stalled`` (still waiting for the broker after the delivery timeout),
-        ``group_moved`` or ``fenced``."""
-        super().__init__(delivery_timeout_ms, on_failure)
-        try:
-            # retry_backoff_ms: right after a commit the coordinator answers the next
-            # transaction's first request with CONCURRENT_TRANSACTIONS until its markers
-            # are written; kafka-python's default 100 ms backoff made every commit take
-            # 110–220 ms here, 20 ms (the Java client's backoff for that case) 23–38 ms
-            self._producer = KafkaProducer(
-                acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
-                retry_backoff_ms=20,
-                delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms // 2),
-                transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **kafka_config)
-            self._producer.init_transactions()
-        except KafkaError as exc:
-            raise infrastructure_error("cannot start the transactional output producer", exc) from exc
-
     def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any) -> None:
         try:
             self._producer.begin_transaction()
@@ -158,8 +125,15 @@ class OutputProducer(Transactions):
             raise InfrastructureError(f"writing outputs failed, transaction aborted: {type(exc).__name__}: {exc}",
                                       retriable=True) from exc
 
-    def _abort_transaction(self) -> None:
-        self._producer.abort_transaction()
+    def _abort(self, reason: str, error: str) -> None:
+        self._on_failure(reason)
+        log.warning("output transaction failed (%s): aborting it; its outputs and offsets will be sent again", error)
+        started = time.monotonic()
+        try:
+            self._producer.abort_transaction()
+        except KafkaError as exc:
+            log.warning("aborting the transaction failed too (%s) after %.1f s", type(exc).__name__,
+                        time.monotonic() - started)
 
     def close(self) -> None:
         self._producer.close()

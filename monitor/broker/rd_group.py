@@ -13,17 +13,32 @@ drains the queue in bursts (as the measuring process frees room), and at 1 s it 
 900 traces/s against 2,100 on the service bench, waiting in ``poll`` 57 % of the time.
 ``queued.max.messages.kbytes`` bounds that queue (64 MiB by default) to four fetches'
 worth, which keeps memory flat.
+
+A librdkafka consumer that meets a fatal error never fetches again. One met here: a
+static member whose session timed out in a broker outage rejoins under a new member id,
+and the broker then fences its old one (``FENCED_INSTANCE_ID``), which librdkafka
+treats as fatal. The member then starts a new client with the same settings: its
+partitions are revoked and assigned again, as in any rebalance, and kept ones resume
+where this instance left off. A second fatal error within ``RENEW_WINDOW_S`` (another
+process with the same group instance id, each fencing the other) stops the service.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from monitor.broker.librdkafka import librdkafka_config, rd_infrastructure_error
+from monitor.broker.librdkafka import (
+    client_error,
+    client_log,
+    group_metadata,
+    librdkafka_config,
+    rd_infrastructure_error,
+)
 from monitor.broker.member import TP, Member
 from monitor.errors import InfrastructureError
 from monitor.records import Record
@@ -34,6 +49,8 @@ DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTH
                     KafkaError.CLUSTER_AUTHORIZATION_FAILED})
 #: how long to wait for a metadata or offsets answer
 ASK_TIMEOUT_S = 15.0
+#: a second fatal consumer error within this long stops the service instead of starting a new client
+RENEW_WINDOW_S = 300.0
 
 
 class RdGroupConsumer(Member):
@@ -42,18 +59,20 @@ class RdGroupConsumer(Member):
                  session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000):
         super().__init__(kafka_config, topics)
         self._max_records = max_records
-        config = librdkafka_config(kafka_config) | {
+        self._renewed_at = -RENEW_WINDOW_S
+        self._held: set[TP] = set()  #: what the rebalance callbacks assigned and did not revoke
+        self._config = librdkafka_config(kafka_config) | {
             "group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": heartbeat_interval_ms,
             "partition.assignment.strategy": "range",
             "max.partition.fetch.bytes": max_partition_fetch_bytes, "fetch.max.bytes": 4 * max_partition_fetch_bytes,
             "queued.max.messages.kbytes": max(1, 4 * max_partition_fetch_bytes // 1024),
-            "fetch.queue.backoff.ms": 5, "error_cb": _log_error, "logger": log,
+            "fetch.queue.backoff.ms": 5, "error_cb": client_error, "logger": client_log,
         }
         if group_instance_id is not None:
-            config["group.instance.id"] = group_instance_id
+            self._config["group.instance.id"] = group_instance_id
         try:
-            self._consumer = Consumer(config)
+            self._consumer = Consumer(self._config)
         except KafkaException as exc:
             self._end_offsets.close()
             raise rd_infrastructure_error("cannot start the consumer", exc) from exc
@@ -73,9 +92,11 @@ class RdGroupConsumer(Member):
                                  on_lost=self._revoked)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._held |= {(p.topic, p.partition) for p in partitions}
         self.changes.heard_assigned((p.topic, p.partition) for p in partitions)
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._held -= {(p.topic, p.partition) for p in partitions}
         self.changes.heard_revoked((p.topic, p.partition) for p in partitions)
 
     def _fetch(self, timeout_ms: int) -> list[Record]:
@@ -94,11 +115,36 @@ class RdGroupConsumer(Member):
         error = message.error()
         if error is None:
             return False
-        if error.fatal() or error.code() in DENIED:
+        if error.code() in DENIED:
             raise InfrastructureError(f"consuming {message.topic()} failed: {error.name()}: {error.str()}",
                                       retriable=False)
-        log.warning("consumer: %s: %s (librdkafka retries by itself)", error.name(), error.str())
+        if error.fatal() or error.code() == KafkaError._FATAL:
+            self._renew(error)
+        else:
+            log.warning("consumer: %s: %s (librdkafka retries by itself)", error.name(), error.str())
         return True
+
+    def _renew(self, error: KafkaError) -> None:
+        """Replace a client that failed for good (see the module's docstring)."""
+        if time.monotonic() - self._renewed_at < RENEW_WINDOW_S:
+            raise InfrastructureError(f"the consumer failed for good twice within {RENEW_WINDOW_S:.0f} s "
+                                      f"(does another process use group instance id "
+                                      f"{self._config.get('group.instance.id')}?): {error.str()}", retriable=False)
+        self._renewed_at = time.monotonic()
+        log.warning("the consumer failed for good (%s): starting a new one; its partitions are revoked and assigned "
+                    "again", error.str())
+        # a failed client forgets its assignment without a callback: revoke what it was given
+        self.changes.heard_revoked(self._held)
+        self._held = set()
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            log.info("closing the failed consumer: %s", exc)
+        try:
+            self._consumer = Consumer(self._config)
+        except KafkaException as exc:
+            raise rd_infrastructure_error("cannot start a new consumer", exc) from exc
+        self.subscribe()
 
     def assignment(self) -> set[TP]:
         return {(p.topic, p.partition) for p in self._consumer.assignment()}
@@ -111,7 +157,11 @@ class RdGroupConsumer(Member):
                 log.warning("cannot resume %s/%d at %d: %s", topic, partition, offset, exc)
 
     def group_metadata(self) -> Any:
-        return self._consumer.consumer_group_metadata()
+        raw = self._consumer.consumer_group_metadata()
+        try:
+            return group_metadata(raw)
+        except ValueError as exc:
+            raise InfrastructureError(str(exc), retriable=False) from exc
 
     def committed(self, partitions: Iterable[TP]) -> dict[TP, int]:
         asked = [TopicPartition(topic, partition) for topic, partition in partitions]
@@ -131,6 +181,3 @@ def _record(m: Message) -> Record:
     _kind, stamp = m.timestamp()
     return Record(m.topic() or "", m.partition() or 0, m.offset() or 0, m.key(), m.value(), max(stamp, 0) / 1000)
 
-
-def _log_error(error: KafkaError) -> None:
-    log.warning("Kafka client: %s: %s", error.name(), error.str())

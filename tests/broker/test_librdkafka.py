@@ -1,20 +1,24 @@
-"""The service's clients on librdkafka (KAFKA_CLIENT=confluent-kafka) against the real
-broker: a commit for a group generation that has moved on is refused (KIP-447), the
-member rejoins and commits under its new one; a second producer with the same
-transactional id fences the first; the connection settings reach librdkafka."""
+"""The group member on librdkafka (KAFKA_CLIENT=confluent-kafka) against the real broker:
+its group metadata, read from librdkafka's, fences the output producer's commits
+(KIP-447): one for a generation the group has left is refused, and the rejoined member
+commits under its new one; a static member fenced by its own instance id starts a new
+client once and stops the second time; the connection settings reach librdkafka;
+librdkafka's repeated complaints are logged once, then counted."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 from kafka import KafkaConsumer
+from kafka.structs import MemberState
 
-from monitor.broker.librdkafka import librdkafka_config
-from monitor.broker.outputs import GroupMovedOn
+from monitor.broker import librdkafka
+from monitor.broker.librdkafka import QuietRepeats, group_metadata, librdkafka_config
+from monitor.broker.outputs import GroupMovedOn, OutputProducer
 from monitor.broker.rd_group import RdGroupConsumer
-from monitor.broker.rd_outputs import RdOutputProducer
 from monitor.errors import InfrastructureError
 from monitor.records import Output
 
@@ -29,9 +33,45 @@ def test_connection_settings_in_librdkafka_words():
         librdkafka_config({"bootstrap_servers": "a:9092", "ssl_cafile": "/ca.pem"})
 
 
-def member(bootstrap, group, topic):
+def test_group_metadata_read_from_librdkafkas_own():
+    assert group_metadata(b"CGMDv2:\x07\x00\x00\x00grp\x00member-1\x00\x00inst\x00") == (
+        "grp", 7, "member-1", "inst", MemberState.UNJOINED)
+    assert group_metadata(b"CGMDv2:\xff\xff\xff\xffgrp\x00\x00\x01")[:4] == ("grp", -1, "", None)
+    for unknown in (b"CGMDv3:\x07\x00\x00\x00grp\x00m\x00\x01", b"CGMDv2:\x07\x00", b"CGMDv2:\x07\x00\x00\x00grp",
+                    b"CGMDv2:\x07\x00\x00\x00grp\x00m\x00\x02"):
+        with pytest.raises(ValueError, match="group metadata"):
+            group_metadata(unknown)
+
+
+def test_repeats_of_a_message_but_for_its_numbers_are_held_back_then_counted(monkeypatch):
+    quiet, passed = QuietRepeats(), []
+
+    def log(text):
+        record = logging.LogRecord("librdkafka", logging.WARNING, __file__, 0, text, (), None)
+        if quiet.filter(record):
+            passed.append(record.getMessage())
+
+    for port in range(100):
+        log(f"Connect to 127.0.0.1:{9000 + port} failed: Connection refused (after {port}ms)")
+    log("Disconnected: connection closed by peer")
+    assert passed == ["Connect to 127.0.0.1:9000 failed: Connection refused (after 0ms)",
+                      "Disconnected: connection closed by peer"]
+    monkeypatch.setattr(librdkafka, "REPEAT_S", 0.0)
+    log("Connect to 127.0.0.1:9100 failed: Connection refused (after 7ms)")
+    assert passed[-1].startswith("Connect to 127.0.0.1:9100 failed: Connection refused (after 7ms) (99 like it in")
+
+
+def member(bootstrap, group, topic, instance=None):
     return RdGroupConsumer({"bootstrap_servers": bootstrap}, group, [topic], max_records=10,
-                           max_partition_fetch_bytes=1 << 20, session_timeout_ms=6_000, heartbeat_interval_ms=500)
+                           max_partition_fetch_bytes=1 << 20, session_timeout_ms=6_000, heartbeat_interval_ms=500,
+                           group_instance_id=instance)
+
+
+def poll_until(consumer, condition, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        consumer.poll(200)
 
 
 def read_committed(bootstrap, topic):
@@ -49,8 +89,8 @@ def test_a_commit_for_a_generation_the_group_left_is_refused_and_the_rejoined_me
     bootstrap = kafka_broker.bootstrap
     topic, out, group = make_topic("traces", partitions=2), make_topic("outputs"), unique_name("group")
     failures: list[str] = []
-    producer = RdOutputProducer({"bootstrap_servers": bootstrap}, unique_name("txn"), delivery_timeout_ms=10_000,
-                                on_failure=failures.append)
+    producer = OutputProducer({"bootstrap_servers": bootstrap}, unique_name("txn"), delivery_timeout_ms=10_000,
+                              on_failure=failures.append)
     a, b = member(bootstrap, group, topic), member(bootstrap, group, topic)
     stop = threading.Event()
     try:
@@ -60,6 +100,8 @@ def test_a_commit_for_a_generation_the_group_left_is_refused_and_the_rejoined_me
             assert time.monotonic() < deadline, "the first member never got both partitions"
             a.poll(200)
         stale = a.group_metadata()
+        assert stale[:4] == (group, stale.generation_id, a._consumer.memberid(), None)
+        assert stale.generation_id >= 1
         b.subscribe()  # the second member joins: a rebalance, driven by its polls here
         joining = threading.Thread(target=lambda: [b.poll(200) for _ in iter(stop.is_set, True)], daemon=True)
         joining.start()
@@ -80,18 +122,37 @@ def test_a_commit_for_a_generation_the_group_left_is_refused_and_the_rejoined_me
 
 
 @pytest.mark.kafka
-def test_a_second_producer_with_the_same_transactional_id_fences_the_first(kafka_broker, make_topic, unique_name):
-    bootstrap, out, txn = kafka_broker.bootstrap, make_topic("outputs"), unique_name("txn")
-    failures: list[str] = []
-    first = RdOutputProducer({"bootstrap_servers": bootstrap}, txn, delivery_timeout_ms=10_000,
-                             on_failure=failures.append)
-    second = RdOutputProducer({"bootstrap_servers": bootstrap}, txn, delivery_timeout_ms=10_000)
+def test_a_static_member_fenced_once_starts_a_new_client_and_stops_when_fenced_again(kafka_broker, make_topic,
+                                                                                     unique_name):
+    bootstrap = kafka_broker.bootstrap
+    topic, group, instance = make_topic("traces", partitions=2), unique_name("group"), unique_name("instance")
+    both = {(topic, 0), (topic, 1)}
+    a = member(bootstrap, group, topic, instance)
+    others = []
     try:
-        with pytest.raises(InfrastructureError, match="same transactional id took over") as raised:
-            first.commit([Output(out, b"k", b"fenced", (out, 0, 0))], {}, None)
-        assert not raised.value.retriable and failures == ["fenced"]
-        second.commit([Output(out, b"k", b"taken over", (out, 0, 0))], {}, None)
-        assert read_committed(bootstrap, out) == [b"taken over"]
+        a.subscribe()
+        poll_until(a, lambda: a.assignment() == both, "the member never got its partitions")
+        a.changes.take()
+        others.append(member(bootstrap, group, topic, instance))  # a second process with the same instance id
+        others[-1].subscribe()
+        poll_until(others[-1], lambda: others[-1].assignment() == both, "the second process never took over")
+        others[-1].close()  # a static member stays in the group: its partitions wait for the instance id
+
+        # a's next request is refused (FENCED_INSTANCE_ID, fatal in librdkafka): a new client
+        # takes the instance id back, its partitions revoked and then assigned again
+        seen = a.changes.assignments
+        poll_until(a, lambda: a.changes.assignments > seen, "the fenced member never started a new client")
+        revoked, assigned = a.changes.take()
+        assert revoked == both and assigned == both
+
+        others.append(member(bootstrap, group, topic, instance))
+        others[-1].subscribe()
+        with pytest.raises(InfrastructureError, match=f"twice within .* group instance id {instance}") as raised:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                others[-1].poll(100)
+                a.poll(100)
+        assert not raised.value.retriable
     finally:
-        first.close()
-        second.close()
+        for consumer in (a, *others):
+            consumer.close()
