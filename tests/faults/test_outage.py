@@ -2,7 +2,7 @@
 the monitor's hands: /readyz says 503 while it cannot commit, the failed transaction is
 counted and sent again, and when the broker is back every record is in the outputs
 exactly once (the first release lost 242 dead letters this way, silently), and traces
-sent after it are consumed."""
+sent after it are consumed, on either KAFKA_CLIENT."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def readyz(monitor: Monitor) -> int:
         return exc.code
 
 
-def test_an_outage_longer_than_the_delivery_timeout_loses_and_doubles_nothing(tmp_path):
+@pytest.mark.parametrize("client", ["confluent-kafka", "kafka-python"])
+def test_an_outage_longer_than_the_delivery_timeout_loses_and_doubles_nothing(tmp_path, client):
     broker = start_broker("plaintext", tmp_path / "kafka")
     admin = KafkaAdminClient(**broker.client_config())
     factory = _topic_factory(admin, lambda kind: f"{kind}-outage-{time.time_ns()}")
@@ -57,7 +58,7 @@ def test_an_outage_longer_than_the_delivery_timeout_loses_and_doubles_nothing(tm
         topics = make_topics(next(factory))
         publish_contracts(broker.bootstrap, topics)
         env = monitor_env(broker.bootstrap, topics, f"outage-{time.time_ns()}", tmp_path,
-                          delivery_timeout_ms=DELIVERY_TIMEOUT_S * 1000, measure_processes=1)
+                          delivery_timeout_ms=DELIVERY_TIMEOUT_S * 1000, measure_processes=1, kafka_client=client)
         monitor = Monitor(env, tmp_path / "monitor.log")
         monitor.wait_ready()
         reference = healthy(40, 0)
