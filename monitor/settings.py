@@ -148,15 +148,15 @@ class Settings(BaseSettings):
 
     def measuring_processes(self) -> int:
         """MEASURE_PROCESSES, or what the machine's cores allow: one per core when the
-        consumer runs on librdkafka (its process needs a fraction of a core: 0.15-0.17 ms
-        a 129 KiB trace on the service bench, against 0.43-0.45 ms measuring); with
+        consumer runs on librdkafka (its process needs a fraction of a core: 0.15-0.21 ms
+        a 129 KiB trace on the service bench, against 0.45-0.52 ms measuring); with
         kafka-python one core stays with the consumer (and on a small machine, often the
         broker)."""
         if self.measure_processes is not None:
             return self.measure_processes
-        return max(1, min(8, self._spare_cores()))
+        return max(1, min(8, self._cores_for_measuring()))
 
-    def _spare_cores(self) -> int:
+    def _cores_for_measuring(self) -> int:
         cores = os.cpu_count() or 2
         return cores if self.kafka_client == "confluent-kafka" else cores - 1
 
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
             return ("MEASURE_PROCESSES=0 measures in a thread of the service's process, taking turns with the "
                     "consumer on one interpreter lock: on 2 cores it ran 23-33 % slower than one child process "
                     "at about the same CPU a trace")
-        if processes <= max(1, self._spare_cores()):
+        if processes <= max(1, self._cores_for_measuring()):
             return None
         if self.kafka_client == "kafka-python":
             return (f"MEASURE_PROCESSES={processes} on {cores} cores leaves no core to the consumer: the processes "
@@ -176,7 +176,8 @@ class Settings(BaseSettings):
                     "10 % faster than one, 2 % slower in the median of 12 bench runs, with up to 15 % more CPU a "
                     "trace)")
         return (f"MEASURE_PROCESSES={processes} on {cores} cores: more measuring processes than cores take turns "
-                "on them, and each holds its own copy of the detector's work in memory")
+                "on them, and each adds its own memory (on the service bench two processes took 40-57 MiB more "
+                "than one)")
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,

@@ -75,17 +75,13 @@ def group_metadata(raw: bytes) -> ConsumerGroupMetadata:
     return ConsumerGroupMetadata(group_id.decode(), generation, member_id.decode(), instance)
 
 
-def error_of(exc: KafkaException) -> KafkaError | None:
-    error = exc.args[0] if exc.args else None
-    return error if isinstance(error, KafkaError) else None
-
-
 def rd_infrastructure_error(action: str, exc: KafkaException) -> InfrastructureError:
     """``exc`` from confluent-kafka, keeping its ``retriable`` flag."""
-    error = error_of(exc)
-    retriable = error is not None and bool(error.retriable()) and not error.fatal()
-    detail = f"{error.name()}: {error.str()}" if error is not None else str(exc)
-    return InfrastructureError(f"{action}: {detail}", retriable=retriable)
+    error = exc.args[0] if exc.args else None
+    if not isinstance(error, KafkaError):
+        return InfrastructureError(f"{action}: {exc}", retriable=False)
+    return InfrastructureError(f"{action}: {error.name()}: {error.str()}",
+                               retriable=bool(error.retriable()) and not error.fatal())
 
 
 class QuietRepeats(logging.Filter):
