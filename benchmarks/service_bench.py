@@ -73,7 +73,7 @@ from prometheus_client import CollectorRegistry
 
 from devstack.kafka import start_broker
 from devstack.process import ManagedProcess, free_port
-from monitor import wire
+from monitor import batching, wire
 from monitor.access import Keyring, ScopePolicy
 from monitor.broker.kafka_python import read_in_large_chunks
 from monitor.codec import Limits, Trace, decode, encode
@@ -99,22 +99,33 @@ KEY_ID, SECRET = "bench", b"bench-secret-0123456789"
 SCRAPE_S = 1.0
 
 
-def make_records(n: int, keys: int, rows: int) -> tuple[ModelContract, ContractTable, list[tuple[bytes, bytes]]]:
-    """The benchmark model's contract, a table holding it, and ``n`` signed trace records."""
+#: requests of different lengths in the pool of weight tensors with ``--vary-keys``
+LENGTHS = 16
+
+
+def make_records(n: int, keys: int, rows: int, vary: bool = False
+                 ) -> tuple[ModelContract, ContractTable, list[tuple[bytes, bytes]]]:
+    """The benchmark model's contract, a table holding it, and ``n`` signed trace records:
+    a request's traces (one a layer) share its key count, ``keys``, or with ``vary`` one
+    of ``LENGTHS`` drawn between half of it and all of it, as requests' lengths differ."""
     model = SyntheticModel("bench-lm", "rev-1", layers=4, heads=16, kv_groups=4)
     contract = model.contract()
     table = ContractTable()
     table.add(contract)
     rng = np.random.default_rng(0)
-    base = []
-    for layer in range(model.layers):  # a pool of weight tensors, reused under fresh headers
-        positions = sample_positions(rng, keys, rows)
-        base.append((positions, trace_weights(rng, layer_roles(layer, model.heads), positions, keys)))
+    lengths = sorted(rng.integers(keys // 2, keys + 1, LENGTHS).tolist()) if vary else [keys]
+    base = {}
+    for length in lengths:  # a pool of weight tensors, reused under fresh headers
+        for layer in range(model.layers):
+            positions = sample_positions(rng, length, rows)
+            base[length, layer] = (positions, trace_weights(rng, layer_roles(layer, model.heads), positions, length))
+    order = rng.permutation(len(lengths) * 7)
     records = []
     for i in range(n):
-        layer = i % model.layers
-        positions, w = base[layer]
-        header = make_header(contract, layer, positions, keys, request_id=f"req-{i // model.layers}")
+        request, layer = divmod(i, model.layers)
+        length = lengths[int(order[request % len(order)]) % len(lengths)]
+        positions, w = base[length, layer]
+        header = make_header(contract, layer, positions, length, request_id=f"req-{request}")
         records.append((header.request_id.encode(), encode(header, w, KEY_ID, SECRET)))
     return contract, table, records
 
@@ -172,12 +183,13 @@ def core_rate(decoded: list[Trace], batch: int) -> float:
     scratch = Scratch()
     start = time.process_time()
     for i in range(0, len(decoded), batch):
-        group = decoded[i : i + batch]
+        chunk = decoded[i : i + batch]
         if batch == 1:
-            head_metrics(group[0].weights, group[0].valid, scratch=scratch)
-        else:
-            head_metrics(np.stack([t.weights for t in group]), np.stack([t.valid for t in group])[:, None],
-                         scratch=scratch)
+            head_metrics(chunk[0].weights, chunk[0].valid, scratch=scratch)
+            continue
+        for members in batching.groups(list(chunk)):  # as the service's measuring process batches them
+            weights, valid = batching.batch([chunk[j] for j in members])
+            head_metrics(weights, valid, scratch=scratch)
     return len(decoded) / (time.process_time() - start)
 
 
@@ -388,6 +400,10 @@ def main() -> None:
                              "per trace: the figures in docs/operations.md use 12000)")
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--vary-keys", action="store_true",
+                        help=f"requests of {LENGTHS} lengths between half of --keys and all of it, as a model "
+                             "server's traffic (a request's traces, one a layer, share its length); default: every "
+                             "trace has --keys keys")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
                         help="the measuring processes of the second service configuration (default: the cores)")
     parser.add_argument("--kafka-client", choices=("confluent-kafka", "kafka-python"), default="confluent-kafka",
@@ -397,10 +413,11 @@ def main() -> None:
                         help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
                              "long: a short TTL lets the run reach its steady state; default 2)")
     args = parser.parse_args()
-    contract, table, records = make_records(args.traces, args.keys, args.rows)
+    contract, table, records = make_records(args.traces, args.keys, args.rows, args.vary_keys)
     size = sum(len(v) for _, v in records) / len(records)
-    print(f"{args.traces} traces of [16, {args.rows}, {args.keys}] float16, {size / 1024:.1f} KiB each; the service "
-          f"consumes with {args.kafka_client}")
+    keys = f"{args.keys // 2}-{args.keys}" if args.vary_keys else f"{args.keys}"
+    print(f"{args.traces} traces of [16, {args.rows}, {keys}] float16, {size / 1024:.1f} KiB each on average; the "
+          f"service consumes with {args.kafka_client}")
 
     broker = start_broker("plaintext")
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from monitor import batching
 from monitor.access import Keyring, ScopePolicy
 from monitor.codec import Limits, Trace, check_mass, check_values, decode, masses_within
 from monitor.core._blocks import Scratch
@@ -233,13 +233,10 @@ class Measurer:
     def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float, bool]]:
         """Each trace's metrics (or the error measuring it raised), its share of the time
         spent and whether its row masses passed decode's checks already, batching traces
-        of equal shape and dtype."""
+        of the same heads, rows and dtype and close key counts (:mod:`monitor.batching`)."""
         unmeasured: tuple[HeadMetrics | Exception, float, bool] = (ValueError("not measured"), 0.0, False)
         out = [unmeasured] * len(traces)
-        groups: dict[tuple[tuple[int, ...], str], list[int]] = defaultdict(list)
-        for j, trace in enumerate(traces):
-            groups[(trace.weights.shape, trace.weights.dtype.str)].append(j)
-        for members in groups.values():
+        for members in batching.groups(list(traces)):
             started = time.perf_counter()
             try:
                 passed = np.zeros(len(members), dtype=bool)
@@ -247,8 +244,7 @@ class Measurer:
                     t = traces[members[0]]
                     batch = [head_metrics(t.weights, t.valid, scratch=self._scratch, with_mass=True)]
                 else:
-                    weights = np.stack([traces[j].weights for j in members])
-                    valid = np.stack([traces[j].valid for j in members])[:, None]
+                    weights, valid = batching.batch([traces[j] for j in members])
                     whole = head_metrics(weights, valid, scratch=self._scratch, with_mass=True)
                     assert whole.row_mass is not None and whole.hidden_mass is not None
                     passed = masses_within(whole.row_mass, whole.hidden_mass, valid, traces[members[0]].header.dtype,

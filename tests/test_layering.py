@@ -17,7 +17,7 @@ ALLOWED_THIRD_PARTY = {"numpy"}
 #: lowest first; a unit is a module, or a whole package for the folders named here
 RANKS: list[set[str]] = [
     {"core"},
-    {"routing", "errors", "records", "topics", "memory", "garbage", "health"},
+    {"routing", "errors", "records", "topics", "memory", "garbage", "health", "batching"},
     {"wire", "schema", "model_contract", "references"},
     {"access", "deadletter", "findings", "triage", "study", "checkpoint", "exporter", "http", "ring",
      "state_file", "assignment"},

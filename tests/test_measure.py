@@ -51,6 +51,31 @@ def test_a_batch_gives_what_one_trace_at_a_time_gives():
             assert [x.kind for x in a.anomalies] == [x.kind for x in b.anomalies]
 
 
+def test_traces_of_close_key_counts_are_measured_together_with_what_each_gets_alone(monkeypatch):
+    """A model server's traces follow each request's length: one call of the metrics
+    core measures those of close key counts, padded, and the results do not change."""
+    keys = [40, 37, 33, 40, 31, 36, 39, 34]
+    records = [Record("traces", 0, i, b"k", make_record(i, keys=k)) for i, k in enumerate(keys)]
+    calls = []
+    real = measure_module.head_metrics
+
+    def counted(weights, valid=None, **kwargs):
+        calls.append(np.shape(weights))
+        return real(weights, valid, **kwargs)
+
+    monkeypatch.setattr(measure_module, "head_metrics", counted)
+    together = make_measurer().measure(records)
+    assert calls == [(8, *np.shape(make_trace(0, keys=40)[1])[:2], 40)]
+    one_by_one = make_measurer()
+    for record, a in zip(records, together, strict=True):
+        (b,) = one_by_one.measure([record])
+        assert isinstance(a, Measured) and isinstance(b, Measured)
+        for field in ("entropy", "concentration", "sink_share"):
+            np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-9)
+        assert a.diversity == pytest.approx(b.diversity, rel=1e-6, abs=1e-9)
+        assert a.effective_heads == pytest.approx(b.effective_heads, rel=1e-6)
+
+
 def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
     records = [Record("traces", 0, i, b"k", make_record(i)) for i in range(5)]
     real = measure_module.head_metrics
@@ -96,7 +121,7 @@ def test_mass_faults_in_a_batch_are_rejected_with_decodes_reasons_and_the_others
     with decode's reason, and the rest of the batch is measured."""
     values, expected = [], []
     for i in range(8):
-        header, weights = make_trace(i)
+        header, weights = make_trace(i, keys=32 - i % 3)  # padded to one batch
         reason = None
         if i == 2:
             weights[1, 0] *= np.float16(0.8)
