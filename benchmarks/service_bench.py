@@ -187,7 +187,7 @@ def core_rate(decoded: list[Trace], batch: int) -> float:
         if batch == 1:
             head_metrics(chunk[0].weights, chunk[0].valid, scratch=scratch)
             continue
-        for members in batching.groups(list(chunk)):  # as the service's measuring process batches them
+        for members in batching.groups(chunk):  # as the service's measuring process batches them
             weights, valid = batching.batch([chunk[j] for j in members])
             head_metrics(weights, valid, scratch=scratch)
     return len(decoded) / (time.process_time() - start)

@@ -1,26 +1,29 @@
 """Which traces of a chunk are measured together, and their batch.
 
-The metrics core measures a batch ``[B, H, R, K]`` in one call, and a call has a fixed
-cost (about 0.15–0.25 ms on the service bench's machine, whatever the trace's size).
-Traces of one shape share it; but a model server's traces seldom share a key count,
+The metrics core measures a batch ``[B, H, R, K]`` in one call, and a call costs more
+than its traces' elements: on the service bench's machine a trace of 16 heads, 8 rows
+and 16 keys took 0.2 ms alone and 0.035 ms in a batch of 16; at 512 keys, 0.34 and
+0.28 ms. Traces of one shape share that cost; but a model server's traces seldom share a key count,
 since it follows each request's length. So traces of the same heads, rows and dtype are
 measured together when their key counts are close: each is padded with zero weight on
 keys marked not valid, up to the group's largest. That changes no metric (padded keys
 carry no mass and are not counted), beyond float32 rounding in the sums (the core's
-batches already differ from single traces by as much), and costs at most
-``PAD_FRACTION`` more elements for any trace.
+batches already differ from single traces by as much). The padding is at most
+``PAD_FRACTION`` of the group's largest key count, so no trace costs more than a third
+more than alone.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-#: a trace joins a group whose largest key count is at most this much more than its own
-#: (as a fraction of that largest): a quarter more work at worst, an eighth on average
+#: a trace joins a group when the group's largest key count exceeds its own by at most
+#: this fraction of that largest
 PAD_FRACTION = 0.25
 
 
@@ -32,7 +35,7 @@ class Weighed(Protocol):
     def valid(self) -> NDArray[np.bool_]: ...  # [R, K]
 
 
-def groups(traces: list[Weighed]) -> list[list[int]]:
+def groups(traces: Sequence[Weighed]) -> list[list[int]]:
     """Indices of ``traces`` in groups measured together: same heads, rows and dtype,
     key counts within ``PAD_FRACTION`` of the group's largest; in record order within a
     group, and the groups in the order of their first trace."""
@@ -53,7 +56,7 @@ def groups(traces: list[Weighed]) -> list[list[int]]:
     return sorted(out, key=lambda g: g[0])
 
 
-def batch(traces: list[Weighed]) -> tuple[NDArray[np.generic], NDArray[np.bool_]]:
+def batch(traces: Sequence[Weighed]) -> tuple[NDArray[np.generic], NDArray[np.bool_]]:
     """``weights [B, H, R, K]`` and ``valid [B, 1, R, K]`` of a group, ``K`` its largest
     key count; the keys a trace lacks have weight 0 and are not valid."""
     widest = max(t.weights.shape[-1] for t in traces)

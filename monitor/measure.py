@@ -236,7 +236,7 @@ class Measurer:
         of the same heads, rows and dtype and close key counts (:mod:`monitor.batching`)."""
         unmeasured: tuple[HeadMetrics | Exception, float, bool] = (ValueError("not measured"), 0.0, False)
         out = [unmeasured] * len(traces)
-        for members in batching.groups(list(traces)):
+        for members in batching.groups(traces):
             started = time.perf_counter()
             try:
                 passed = np.zeros(len(members), dtype=bool)
