@@ -186,9 +186,18 @@ class MeasuringProcess(_Ordered):
     def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
         return [self._send(chunk, size) for chunk, size in chunks(records)]
 
+    @property
+    def in_flight(self) -> list[int]:
+        """Commands each child has been sent and not yet answered (chunks, mostly)."""
+        return [child.in_flight for child in self._children]
+
     def _send(self, chunk: list[Record], size: int) -> Future[list[Result]]:
-        child = self._children[self._turn]
-        self._turn = (self._turn + 1) % len(self._children)
+        # the child with the fewest chunks in flight, the next in turn among equals: one
+        # that gets less of the cores (the broker and this process share them) gets fewer
+        # chunks instead of holding the others back (judging keeps record order anyway)
+        order = self._children[self._turn :] + self._children[: self._turn]
+        child = min(order, key=lambda c: c.in_flight)
+        self._turn = (self._children.index(child) + 1) % len(self._children)
         whole, placed_command = ((Command.MEASURE, Command.MEASURE_PLACED) if self._order is None
                                  else (Command.OBSERVE, Command.OBSERVE_PLACED))
         if size > self._ring.size:

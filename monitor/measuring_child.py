@@ -127,6 +127,11 @@ class Child:
                 self._fail(f"cannot reach it: {exc}")
         return future
 
+    @property
+    def in_flight(self) -> int:
+        """Commands sent and not yet answered."""
+        return len(self._waiting)
+
     def check(self) -> None:
         if self._failure is not None:
             raise MeasuringFailed(f"the measuring process died: {self._failure}")

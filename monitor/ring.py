@@ -13,7 +13,7 @@ import mmap
 import os
 import tempfile
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from monitor.errors import MeasuringFailed
@@ -42,16 +42,18 @@ class SharedRing:
         self._held: deque[tuple[int, int, Future[Any]]] = deque()
 
     def reserve(self, n: int) -> int:
-        """A start offset with ``n`` free bytes after it; waits for the oldest chunk
-        still in flight when the ring is full (back-pressure from a busy child)."""
+        """A start offset with ``n`` free bytes after it: after the last region handed
+        out, at the start, or after any region still held; waits for any chunk in flight
+        to finish when none has room (back-pressure from busy children). Regions are freed
+        in whatever order their chunks finish, so a child that is ahead is never held back
+        by a slower one's older chunk."""
         while True:
-            while self._held and self._held[0][2].done():
-                self._held.popleft()
-            for start in (self._next, 0):
+            self._held = deque(held for held in self._held if not held[2].done())
+            for start in (self._next, 0, *(e for _, e, _ in self._held)):
                 end = start + n
                 if end <= self.size and all(e <= start or end <= b for b, e, _ in self._held):
                     return start
-            self._held[0][2].result()
+            wait([future for _, _, future in self._held], return_when=FIRST_COMPLETED)
 
     def hold(self, start: int, end: int, future: Future[Any]) -> None:
         """Keep ``[start, end)`` until ``future`` is done."""

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,42 @@ def test_several_processes_give_what_one_gives_in_the_same_order(monkeypatch):
             ["Rejected"]
         assert our_state == their_state
     finally:
+        many.close()
+        one.close()
+
+
+def test_a_child_held_back_costs_the_others_no_chunks(monkeypatch):
+    """One child stopped with a chunk in the ring: the other takes every chunk after it,
+    through the ring's other regions; once the first goes on, the results are those of
+    one measurer, in order. (Chunks in turn, or the ring freed oldest first, would stop
+    every submit behind the stopped child's chunk.)"""
+    size = len(make_record(0))
+    monkeypatch.setattr(measuring_module, "RING_BYTES", 6 * size)  # three chunks of two records
+    monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 2)
+    many = MeasuringProcess(spec(), processes=2)
+    one = MeasuringThread(spec())
+    stopped = many.pids[1]
+    try:
+        for m in (many, one):
+            m.sync_contracts(table())
+        many.ping()
+        os.kill(stopped, signal.SIGSTOP)
+        batch = records(40)
+        submitted: list = []
+        feeder = threading.Thread(target=lambda: submitted.extend(many.submit(batch)), daemon=True)
+        feeder.start()
+        feeder.join(30)
+        assert not feeder.is_alive(), "submitting waited for the stopped child"
+        wait_for(lambda: many.in_flight[0] == 0, timeout=30, what="the running child through its chunks")
+        held = many.in_flight[1]
+        assert 1 <= held <= 2, many.in_flight  # at most the ring's share it got before it looked busy
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        got = list(results(submitted))
+        assert [comparable(r) for r in got] == [comparable(r) for r in run(one, batch)]
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
         many.close()
         one.close()
 
