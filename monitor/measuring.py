@@ -13,7 +13,8 @@ would. Results come back as :mod:`monitor.measure` values, never weights.
 
 With several children (``MEASURE_PROCESSES`` > 1), chunks of records are *observed*
 (decoded, verified, measured: :meth:`~monitor.measure.Measurer.observe`, which depends
-on no other record) by the children in turn, and *judged* (de-duplication and the
+on no other record) by the children, each chunk by the one with the fewest in flight,
+and *judged* (de-duplication and the
 detector, about 25 µs a trace) in the service's own process, by one thread, in
 submission order: each chunk once it is observed and every earlier chunk and command is
 done, so the detector sees exactly the sequence one process would, and the results are
@@ -148,7 +149,8 @@ class MeasuringThread(_Ordered):
 
 class MeasuringProcess(_Ordered):
     """The measurer in spawned child processes, fed through one shared ring: with one
-    child, it does everything; with more, they observe chunks in turn and this process
+    child, it does everything; with more, each chunk goes to the one with the fewest in
+    flight and this process
     judges them, in order (see the module documentation)."""
 
     def __init__(self, spec: MeasurerSpec, processes: int = 1):
