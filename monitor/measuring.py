@@ -150,8 +150,7 @@ class MeasuringThread(_Ordered):
 class MeasuringProcess(_Ordered):
     """The measurer in spawned child processes, fed through one shared ring: with one
     child, it does everything; with more, each chunk goes to the one with the fewest in
-    flight and this process
-    judges them, in order (see the module documentation)."""
+    flight and this process judges them, in order (see the module documentation)."""
 
     def __init__(self, spec: MeasurerSpec, processes: int = 1):
         if processes < 1:
