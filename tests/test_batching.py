@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from monitor import batching
+from monitor.codec import valid_keys
 from monitor.core.metrics import head_metrics
 from tests.factories import make_trace
 
@@ -23,8 +24,6 @@ class Weights:
 
 
 def traced(seed: int, keys: int, rows: int = 4, dtype: str = "float16") -> Weights:
-    from monitor.codec import valid_keys
-
     header, weights = make_trace(seed, keys=keys, rows=rows, dtype=dtype)
     return Weights(weights, valid_keys(header))
 
