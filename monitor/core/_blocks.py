@@ -7,11 +7,12 @@ buffers that stay in the CPU cache and are reused from block to block. Each bloc
 is converted to float32 once and then visited by a handful of vectorised passes.
 
 float16 is converted at the bit level (numpy's own float16 cast is a scalar loop,
-about 8x slower): the 15 magnitude bits are shifted into a float32 with the exponent
-rebased by 112, which is exact for normal numbers and maps a subnormal ``m·2⁻²⁴`` to
-``2⁻¹⁵ + m·2⁻²⁵``; adding ``min(v, 2⁻¹⁴) − 2⁻¹⁴`` undoes that exactly (Sterbenz) and
-leaves normal numbers untouched. Every step is exact, so the result equals
-``astype(float32)``.
+about 8x slower): the 15 magnitude bits, shifted left by 13, are the float32 whose
+exponent field is the float16's, so its value is exactly the float16's times 2⁻¹¹²;
+one multiplication by 2¹¹² (a power of two: exact) restores it. A float16 subnormal
+``m·2⁻²⁴`` becomes the float32 subnormal ``m·2⁻¹³⁶``, which the multiplication makes
+normal again, and zero stays zero. Every step is exact, so the result equals
+``astype(float32)``; it takes three passes (cast to 32 bits, shift, multiply).
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import numpy as np
 from numpy.typing import NDArray
 
 F32 = np.float32
-_REBIAS = np.uint32(112 << 23)
-_SUBNORMAL_EDGE = F32(2.0**-14)
+_UNBIAS = F32(2.0**112)  # float32's exponent bias (127) less float16's (15)
 _TINY = F32(np.finfo(np.float32).tiny)
 #: elements per block: 2**18 float32 values are 1 MiB, well inside L2.
 BLOCK_ELEMENTS = 1 << 18
-#: largest heads × keys for which a row's Gram matrix goes through the general matrix
-#: product (measured faster up to here, slower from 32 × 1024 on)
-GENERAL_PRODUCT_MAX = 1 << 14
+#: a row's Gram matrix goes through the general matrix product while heads² × keys
+#: stays under this and heads under ``GENERAL_PRODUCT_HEADS``; beyond, through the
+#: symmetric one. Measured with OpenBLAS on AMD Zen 4: the general product, copy
+#: included, takes half the time or less up to 16 heads × 3,072 keys, 24 × 1,536 and
+#: 32 × 512, and loses from 16 × 4,096, 24 × 2,048, 32 × 1,024 and at 36 heads or more.
+GENERAL_PRODUCT_MAX = 1 << 20
+GENERAL_PRODUCT_HEADS = 32
 
 
 @dataclass
@@ -39,7 +43,6 @@ class Scratch:
     values: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
     other: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
     units: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
-    edges: NDArray[np.float32] = field(default_factory=lambda: np.empty(0, F32))
 
     def take(self, n: int) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
         if self.values.size < n:
@@ -53,45 +56,47 @@ class Scratch:
             self.units = np.ones(n, F32)
         return self.units[:n]
 
-    def edge(self, n: int) -> NDArray[np.float32]:
-        """``n`` copies of 2⁻¹⁴ (numpy's minimum against an array is several times
-        faster than against a scalar)."""
-        if self.edges.size < n:
-            self.edges = np.full(n, _SUBNORMAL_EDGE, F32)
-        return self.edges[:n]
-
 
 def to_float32(
     src: NDArray[np.generic],
     out: NDArray[np.float32],
     valid: NDArray[np.bool_] | None = None,
     spare: NDArray[np.float32] | None = None,
-    edge: NDArray[np.float32] | None = None,
-) -> None:
+) -> NDArray[np.uint16] | None:
     """Write ``src`` (float16 or float32, finite, non-negative) into ``out`` as float32,
-    with zeros where ``valid`` is False. ``spare`` (same size as ``out``) is scratch;
-    ``edge``, if given, holds ``out.size`` copies of 2⁻¹⁴."""
+    with zeros where ``valid`` is False. ``spare`` (same size as ``out``) is scratch.
+
+    For float16, returns the bit patterns it converted (masked; in ``spare`` when
+    ``valid`` is given), which order as the values do; for float32, None."""
     if src.dtype == np.float32:
         if valid is None:
             np.copyto(out, src)
         else:
             np.multiply(src, valid, out=out)
-        return
-    half = src.view(np.uint16)
-    if valid is not None:
-        masked = (np.empty(out.shape, F32) if spare is None else spare).view(np.uint16)[..., : src.shape[-1]]
-        np.multiply(half, valid, out=masked)
-        half = masked
+        return None
+    half = src.view(np.uint16) if valid is None else masked_bits(src, valid, spare)
     bits = out.view(np.uint32)
     np.copyto(bits, half, casting="unsafe")
     np.left_shift(bits, 13, out=bits)
-    np.add(bits, _REBIAS, out=bits)
-    # v' = v for normals; v' = 2^-15 + m 2^-25 for a subnormal m 2^-24 (and zero).
-    # d = min(v', 2^-14) - 2^-14 is 0 for normals and v' - 2^-14 otherwise; v' + d = v.
-    limit = _SUBNORMAL_EDGE if edge is None else edge.reshape(out.shape)
-    d = np.minimum(out, limit, out=np.empty_like(out) if spare is None else spare)
-    np.subtract(d, _SUBNORMAL_EDGE, out=d)
-    np.add(out, d, out=out)
+    np.multiply(out, _UNBIAS, out=out)
+    return half
+
+
+def masked_bits(src: NDArray[np.generic], valid: NDArray[np.bool_],
+                spare: NDArray[np.float32] | None = None) -> NDArray[np.uint16]:
+    """The bit patterns of float16 ``src`` with zeros where ``valid`` is False, in the
+    first half of ``spare`` (shaped like ``src``, float32) when given."""
+    room = np.empty(src.shape, F32) if spare is None else spare
+    masked = room.view(np.uint16)[..., : src.shape[-1]]
+    np.multiply(src.view(np.uint16), valid, out=masked)
+    return masked
+
+
+def half_bits_to_float32(bits: NDArray[np.uint16]) -> NDArray[np.float32]:
+    """float32 values of (few) finite non-negative float16 bit patterns."""
+    out = np.empty(bits.shape, F32)
+    to_float32(bits.view(np.float16), out)
+    return out
 
 
 @dataclass
@@ -99,7 +104,7 @@ class BlockSums:
     """Per-row sums of one block ``[t, H, r]`` and its Gram contribution ``[t, H, H]``."""
 
     total: NDArray[np.float32]
-    xlogx: NDArray[np.float32]
+    xlog2x: NDArray[np.float32]
     peak: NDArray[np.float32]
     first: NDArray[np.float32]
     gram: NDArray[np.float32]
@@ -112,7 +117,7 @@ def reduce_block(
     scratch: Scratch,
     with_everything: bool = False,
 ) -> BlockSums:
-    """Row sums of ``w``, ``w·log w``, the row maximum and ``w[..., 0]`` over valid keys,
+    """Row sums of ``w``, ``w·log₂ w``, the row maximum and ``w[..., 0]`` over valid keys,
     and the Gram matrix of ``sqrt(w / rowsum)`` over (row, key), for a block
     ``weights[t, H, r, K]`` with ``valid`` broadcast to the same shape (or None).
     ``with_everything`` also sums each row over all keys, before the mask.
@@ -126,22 +131,24 @@ def reduce_block(
     ones = scratch.ones(weights.shape[-1])
     everything = None
     if with_everything and valid is not None:
-        to_float32(weights, w, None, o, scratch.edge(w.size))
+        to_float32(weights, w, None, o)
         everything = np.matmul(w, ones)
         np.multiply(w, valid, out=w)
+        half = masked_bits(weights, valid, o) if weights.dtype == np.float16 else None
     else:
-        to_float32(weights, w, valid, o, scratch.edge(w.size))
+        half = to_float32(weights, w, valid, o)
     total = np.matmul(w, ones)
     if with_everything and everything is None:
         everything = total
-    peak = w.max(axis=-1)
+    # the row maximum on float16 bit patterns (half the bytes; they order as the values)
+    peak = w.max(axis=-1) if half is None else half_bits_to_float32(half.max(axis=-1))
     first = w[..., 0].copy()
-    # w·log w with 0·log 0 = 0: adding the smallest normal float32 leaves every float16
+    # w·log₂ w with 0·log 0 = 0: adding the smallest normal float32 leaves every float16
     # value unchanged (they are all far larger) and makes log(0) finite; w = 0 then
-    # multiplies it away.
+    # multiplies it away. (numpy's float32 log2 takes about 0.7x the time of its log.)
     np.add(w, _TINY, out=o)
-    np.log(o, out=o)
-    xlogx = np.matmul(w[..., None, :], o[..., :, None])[..., 0, 0]
+    np.log2(o, out=o)
+    xlog2x = np.matmul(w[..., None, :], o[..., :, None])[..., 0, 0]
     # Gram matrix of sqrt(p) = sqrt(w) / sqrt(rowsum) over (row, key): one product per
     # row, scaled afterwards on [t, r, H, H] (far cheaper than scaling the block); rows
     # without mass count 0.
@@ -150,10 +157,11 @@ def reduce_block(
     np.sqrt(w, out=o)
     rows = o.transpose(0, 2, 1, 3)  # [t, r, H, K]
     other = rows
-    if weights.shape[-3] * weights.shape[-1] <= GENERAL_PRODUCT_MAX:
-        # numpy hands ``a @ a.T`` to BLAS's symmetric product; on small matrices the
-        # general product is about twice as fast, even counting the copy that makes
-        # the operands two arrays (w is free by now)
+    heads, keys = weights.shape[-3], weights.shape[-1]
+    if heads <= GENERAL_PRODUCT_HEADS and heads * heads * keys < GENERAL_PRODUCT_MAX:
+        # numpy hands ``a @ a.T`` to BLAS's symmetric product; on these matrices the
+        # general product is faster, even counting the copy that makes the operands
+        # two arrays (w is free by now)
         np.copyto(w, o)
         other = w.transpose(0, 2, 1, 3)
     per_row = np.matmul(rows, other.transpose(0, 1, 3, 2))
@@ -164,4 +172,4 @@ def reduce_block(
     if other is not rows:  # the general product rounds g·h and h·g apart
         gram += gram.transpose(0, 2, 1)
         gram *= F32(0.5)
-    return BlockSums(total, xlogx, peak, first, gram, everything)
+    return BlockSums(total, xlog2x, peak, first, gram, everything)

@@ -39,6 +39,7 @@ from monitor.core._blocks import BLOCK_ELEMENTS, Scratch, reduce_block
 from monitor.core.mass import value_fault
 
 F64 = np.float64
+_LN2 = float(np.log(2.0))
 Array = NDArray[np.float64]
 
 
@@ -214,7 +215,7 @@ def _valid_count(v: NDArray[np.bool_] | None, k: int) -> NDArray[np.int64]:
 @dataclass
 class _RowSums:
     total: Array
-    xlogx: Array
+    xlog2x: Array
     peak: Array
     first: Array
     gram: Array
@@ -229,7 +230,7 @@ def _row_sums(w: NDArray[np.generic], v: NDArray[np.bool_] | None, scratch: Scra
     traces = max(1, BLOCK_ELEMENTS // per_trace) if rows == r else 1
     sums = _RowSums(
         total=np.empty((t, h, r), F64),
-        xlogx=np.empty((t, h, r), F64),
+        xlog2x=np.empty((t, h, r), F64),
         peak=np.empty((t, h, r), F64),
         first=np.empty((t, h, r), F64),
         gram=np.zeros((t, h, h), F64),
@@ -241,7 +242,7 @@ def _row_sums(w: NDArray[np.generic], v: NDArray[np.bool_] | None, scratch: Scra
             rs = slice(r0, min(r, r0 + rows))
             block = reduce_block(w[ts, :, rs], None if v is None else v[ts, :, rs], scratch, with_mass)
             sums.total[ts, :, rs] = block.total
-            sums.xlogx[ts, :, rs] = block.xlogx
+            sums.xlog2x[ts, :, rs] = block.xlog2x
             sums.peak[ts, :, rs] = block.peak
             sums.first[ts, :, rs] = block.first
             sums.gram[ts] += block.gram
@@ -258,7 +259,7 @@ def _finish(s: _RowSums, n: Array) -> tuple[Array, ...]:
         return _finish_full(s, n)
     with np.errstate(divide="ignore", invalid="ignore"):
         safe_total = np.where(live, s.total, 1.0)
-        entropy_nats = np.log(safe_total) - s.xlogx / safe_total
+        entropy_nats = np.log(safe_total) - _LN2 * s.xlog2x / safe_total
         entropy_row = np.clip(entropy_nats / np.log(np.where(spread, n, 2.0)), 0.0, 1.0)
         entropy = _row_mean(entropy_row, spread)
         concentration = _row_mean(s.peak / safe_total, rows)
@@ -283,7 +284,7 @@ def _finish_full(s: _RowSums, n: Array) -> tuple[Array, ...]:
     usual case): no NaN to route around, so plain means, in a few array operations."""
     _, h, r = s.total.shape
     inv = 1.0 / s.total
-    entropy_row = (np.log(s.total) - s.xlogx * inv) / np.log(n)
+    entropy_row = (np.log(s.total) - _LN2 * s.xlog2x * inv) / np.log(n)
     entropy = np.clip(entropy_row, 0.0, 1.0).mean(axis=-1)
     concentration = (s.peak * inv).mean(axis=-1)
     sink = (s.first * inv).mean(axis=-1)

@@ -69,6 +69,18 @@ def test_weight_on_invalid_keys_is_ignored_and_rows_renormalised():
     assert_matches(got, reference_metrics(clean, valid), 2e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("with_mass", [False, True])
+def test_concentration_takes_the_largest_weight_on_a_valid_key(dtype, with_mass):
+    # the largest weight of every row sits on the last key, which only the last row sees
+    valid = causal(4, 8)
+    w = np.full((2, 4, 8), 0.05)
+    w[..., -1] = 0.5
+    got = head_metrics(w.astype(dtype), valid, with_mass=with_mass)
+    assert_matches(got, reference_metrics(w.astype(dtype), valid), 2e-5)
+    assert got.concentration == pytest.approx(np.full(2, (1 / 5 + 1 / 6 + 1 / 7 + 0.5 / 0.85) / 4), abs=1e-3)
+
+
 def test_entropy_matches_scipy():
     rng = np.random.default_rng(11)
     w = dirichlet(rng, 3, 4, 50, dtype=np.float64).astype(np.float32)
