@@ -60,11 +60,11 @@ class Scratch:
 def to_float32(
     src: NDArray[np.generic],
     out: NDArray[np.float32],
-    valid: NDArray[np.bool_] | None = None,
+    valid: NDArray[np.generic] | None = None,
     spare: NDArray[np.float32] | None = None,
 ) -> NDArray[np.uint16] | None:
     """Write ``src`` (float16 or float32, finite, non-negative) into ``out`` as float32,
-    with zeros where ``valid`` is False. ``spare`` (same size as ``out``) is scratch.
+    with zeros where ``valid`` is False (or 0). ``spare`` (same size as ``out``) is scratch.
 
     For float16, returns the bit patterns it converted (masked; in ``spare`` when
     ``valid`` is given), which order as the values do; for float32, None."""
@@ -82,7 +82,7 @@ def to_float32(
     return half
 
 
-def masked_bits(src: NDArray[np.generic], valid: NDArray[np.bool_],
+def masked_bits(src: NDArray[np.generic], valid: NDArray[np.generic],
                 spare: NDArray[np.float32] | None = None) -> NDArray[np.uint16]:
     """The bit patterns of float16 ``src`` with zeros where ``valid`` is False, in the
     first half of ``spare`` (shaped like ``src``, float32) when given."""
@@ -113,7 +113,7 @@ class BlockSums:
 
 def reduce_block(
     weights: NDArray[np.generic],
-    valid: NDArray[np.bool_] | None,
+    valid: NDArray[np.generic] | None,
     scratch: Scratch,
     with_everything: bool = False,
 ) -> BlockSums:
@@ -133,10 +133,11 @@ def reduce_block(
     if with_everything and valid is not None:
         to_float32(weights, w, None, o)
         everything = np.matmul(w, ones)
-        np.multiply(w, valid, out=w)
-        half = masked_bits(weights, valid, o) if weights.dtype == np.float16 else None
+        np.multiply(w, _as_mask(valid, F32), out=w)
+        half = masked_bits(weights, _as_mask(valid, np.uint16), o) if weights.dtype == np.float16 else None
     else:
-        half = to_float32(weights, w, valid, o)
+        mask = None if valid is None else _as_mask(valid, np.uint16 if weights.dtype == np.float16 else F32)
+        half = to_float32(weights, w, mask, o)
     total = np.matmul(w, ones)
     if with_everything and everything is None:
         everything = total
@@ -173,3 +174,13 @@ def reduce_block(
         gram += gram.transpose(0, 2, 1)
         gram *= F32(0.5)
     return BlockSums(total, xlog2x, peak, first, gram, everything)
+
+
+def _as_mask(valid: NDArray[np.generic], dtype: type[np.generic]) -> NDArray[np.generic]:
+    """``valid`` (``[t, H, r, K]``) as 0/1 of ``dtype`` when one ``[r, K]`` mask serves
+    the whole block, as it does for a trace's heads: numpy casts a bool operand through
+    a buffer on every pass, and on a large trace that cost 0.1 ns an element (twice).
+    Otherwise the bool itself: a ``[t, 1, r, K]`` operand measured slower than it."""
+    if valid.ndim != 4 or valid.strides[1] != 0 or (valid.shape[0] > 1 and valid.strides[0] != 0):
+        return valid
+    return valid[:1, :1].astype(dtype)
