@@ -12,7 +12,9 @@ exponent field is the float16's, so its value is exactly the float16's times 2�
 one multiplication by 2¹¹² (a power of two: exact) restores it. A float16 subnormal
 ``m·2⁻²⁴`` becomes the float32 subnormal ``m·2⁻¹³⁶``, which the multiplication makes
 normal again, and zero stays zero. Every step is exact, so the result equals
-``astype(float32)``; it takes three passes (cast to 32 bits, shift, multiply).
+``astype(float32)``; it takes three passes (cast to 32 bits, shift, multiply). (A
+process whose floating-point unit treats subnormal inputs as zero, which numpy never
+asks for, would read float16 subnormals as 0; a test pins the exact result.)
 """
 
 from __future__ import annotations
