@@ -21,13 +21,15 @@ Each reference is the best of two or three passes, and the service the best of t
 runs, with one measuring process and with ``--processes`` (default: the cores), runs
 alternating, after a warm-up run that is not counted (without it, the broker's first
 service run was the slower of its pair in 11 of 13 invocations). The references' CPU is measured
-once more just before each run (one pass of each), and each run's CPU per trace is
-compared with both: the speed of this VM drifts within minutes. Goals: the service at
+once more just before each run (one pass of each), and each run is compared with both,
+its rate too: the speed of this VM drifts within minutes. Goals: the service at
 least 65 % of the lower of raw and core at 129 KiB traces (90 % at 513 KiB), its CPU per
 trace within 1.3x the references', and flat memory. A last summary judges the fastest
 run of each configuration against the best raw and core rates of the whole invocation and
 the median of all the references' CPU measurements, so that one slow spell while a
-reference was measured does not flatter the service.
+reference was measured does not flatter the service; beside it, the median of each run's
+rate against the references measured just before it (a slow spell that holds through a
+reference and the run after it then counts against both alike).
 
 It also prints ceilings. One holds for any service that consumes with kafka-python, as
 the raw reference does: it adds the CPU the references themselves used per trace (the
@@ -482,12 +484,14 @@ def main() -> None:
         counts = sorted({1, args.processes})
         served_by: dict[int, list[Served]] = {n: [] for n in counts}
         beside: dict[int, list[float]] = {n: [] for n in counts}  #: the references' CPU just before each run
+        floor_beside: dict[int, list[float]] = {n: [] for n in counts}  #: min(raw, core) just before each run
         raw_rates, core_rates = [raw], [core]  #: every measurement of the two rates, for the summary
         for i in range(2):  # alternate, so drift on this noisy machine hits both alike
             for n in counts:
                 again = raw_consume(bootstrap, f"raw-beside-{n}-{i}", args.traces, pid, **fetch)
                 core_rates.append(core_rate(decoded, per_call))
                 raw_rates.append(again.rate)
+                floor_beside[n].append(min(again.rate, core_rates[-1]))
                 beside[n].append(again.consumer_cpu + again.broker_cpu + verify_cpu(records) + 1 / core_rates[-1])
                 served_by[n].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{i}", args, n))
     finally:
@@ -520,11 +524,13 @@ def main() -> None:
         per_trace = run.cpu_per_trace
         service_only = sum(v for k, v in run.cpu.items() if not k.startswith("broker")) / run.traces
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
-        ratios = ", ".join(f"{r.rate:.0f} ({r.cpu_per_trace / least:.2f}x; {r.cpu_per_trace / b:.2f}x)"
-                           for r, b in zip(runs, beside[n], strict=True))
+        ratios = ", ".join(f"{r.rate:.0f} ({r.rate / f:.0%}; {r.cpu_per_trace / least:.2f}x; "
+                           f"{r.cpu_per_trace / b:.2f}x)"
+                           for r, f, b in zip(runs, floor_beside[n], beside[n], strict=True))
         print(f"service, {processes_label(n)}: {run.rate:.0f} traces/s = "
-              f"{run.rate / floor:.0%} of min(raw, core); runs (CPU per trace against the references'; against "
-              f"their CPU measured again just before the run) {ratios}")
+              f"{run.rate / floor:.0%} of min(raw, core); runs (rate against min(raw, core) measured again just "
+              f"before the run; CPU per trace against the references'; against their CPU measured just before the "
+              f"run) {ratios}")
         print(f"  CPU per trace {per_trace * 1e3:.2f} ms with the broker ({per_trace / least:.2f}x the references', "
               f"{per_trace / adjacent:.2f}x their {adjacent * 1e3:.2f} ms just before the run), "
               f"{service_only * 1e3:.2f} ms in the service's processes; cores busy: {busy}")
@@ -564,8 +570,10 @@ def main() -> None:
           f"rates and the median of the references' CPU ({middle * 1e3:.2f} ms; {len(measured)} measurements, "
           f"{min(measured) * 1e3:.2f}-{max(measured) * 1e3:.2f} ms) of this invocation:")
     for n, run in fastest.items():
+        paired = statistics.median(r.rate / f for r, f in zip(served_by[n], floor_beside[n], strict=True))
         print(f"  {processes_label(n)}: {run.rate / best_floor:.0%} of min(raw, core), "
-              f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references'")
+              f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references' (each run against min(raw, core) "
+              f"measured just before it, median: {paired:.0%})")
 
 
 if __name__ == "__main__":
