@@ -136,7 +136,7 @@ def reduce_block(
         to_float32(weights, w, None, o)
         everything = np.matmul(w, ones)
         np.multiply(w, _as_mask(valid, F32), out=w)
-        half = masked_bits(weights, _as_mask(valid, np.uint16), o) if weights.dtype == np.float16 else None
+        half = None  # masking the bit patterns too would be a pass more than the maximum saves
     else:
         mask = None if valid is None else _as_mask(valid, np.uint16 if weights.dtype == np.float16 else F32)
         half = to_float32(weights, w, mask, o)
