@@ -29,7 +29,8 @@ run of each configuration against the best raw and core rates of the whole invoc
 the median of all the references' CPU measurements, so that one slow spell while a
 reference was measured does not flatter the service; beside it, the median of each run's
 rate against the references measured just before it (a slow spell that holds through a
-reference and the run after it then counts against both alike).
+reference and the run after it then counts against both alike, but one that slows only
+the reference flatters the run: read the two together).
 
 It also prints ceilings. One holds for any service that consumes with kafka-python, as
 the raw reference does: it adds the CPU the references themselves used per trace (the

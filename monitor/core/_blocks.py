@@ -136,14 +136,15 @@ def reduce_block(
         to_float32(weights, w, None, o)
         everything = np.matmul(w, ones)
         np.multiply(w, _as_mask(valid, F32), out=w)
-        half = None  # masking the bit patterns too would be a pass more than the maximum saves
+        half = None  # masking the bit patterns as well costs a pass more than the maximum below saves
     else:
         mask = None if valid is None else _as_mask(valid, np.uint16 if weights.dtype == np.float16 else F32)
         half = to_float32(weights, w, mask, o)
     total = np.matmul(w, ones)
     if with_everything and everything is None:
         everything = total
-    # the row maximum on float16 bit patterns (half the bytes; they order as the values)
+    # the row maximum on the masked float16 bit patterns when the conversion made them (half
+    # the bytes; they order as the values), else on the masked float32 block
     peak = w.max(axis=-1) if half is None else half_bits_to_float32(half.max(axis=-1))
     first = w[..., 0].copy()
     # w·log₂ w with 0·log 0 = 0: adding the smallest normal float32 leaves every float16
