@@ -6,11 +6,11 @@ and 16 keys took 0.2 ms alone and 0.035 ms in a batch of 16; at 512 keys, 0.34 a
 0.28 ms. Traces of one shape share that cost; but a model server's traces seldom share a
 key count, since it follows each request's length. So traces of the same heads, rows and
 dtype are measured together when their key counts are close: each is padded with zero
-weight on keys marked not valid, up to the group's largest. That changes no metric (padded keys
-carry no mass and are not counted), beyond float32 rounding in the sums (the core's
-batches already differ from single traces by as much). The padding is at most
-``PAD_FRACTION`` of the group's largest key count, so no trace costs more than a third
-more than alone.
+weight on keys marked not valid, up to the group's largest. That changes no metric
+(padded keys carry no mass and are not counted), beyond float32 rounding in the sums
+(the core's batches already differ from single traces by as much). The padding is at
+most ``PAD_FRACTION`` of the group's largest key count, so no trace costs more than a
+third more than alone.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ on no other record) by the children, each chunk by the one with the fewest in fl
 and *judged* (de-duplication and the detector, about 25 µs a trace) in the service's
 own process, by one thread, in submission order: each chunk once it is observed and
 every earlier chunk and command is done, so the detector sees exactly the sequence one
-process would, and the results are the same. (Judging in the first child instead cost every observation a second trip
-through the pipes: 0.15 ms more CPU a trace with two children on two cores.)
+process would, and the results are the same. (Judging in the first child instead cost
+every observation a second trip through the pipes: 0.15 ms more CPU a trace with two
+children on two cores.)
 
 The child talks over two plain pipes, read by one thread on each side; no named
 semaphores are involved (``ProcessPoolExecutor`` would create five in /dev/shm, left
