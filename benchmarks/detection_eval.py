@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from monitor.codec import valid_keys
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import head_metrics
+from monitor.protocol.codec import valid_keys
 from monitor.tools.scenario import Fault, Scenario
 
 HEALTHY = Scenario(revision="r-ok")

@@ -7,7 +7,7 @@ measures on the same messages:
 
 - raw: a kafka-python consumer reading them, doing nothing else (records/s), first
   with the library's and the C allocator's defaults, then with the settings the service
-  applies to itself (:mod:`monitor.memory`, :mod:`monitor.broker.kafka_python`, its
+  applies to itself (:mod:`monitor.measuring.tuning`, :mod:`monitor.broker.kafka_python`, its
   fetch sizes); the second, faster one is the reference;
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
@@ -76,21 +76,22 @@ from prometheus_client import CollectorRegistry
 
 from devstack.kafka import start_broker
 from devstack.process import ManagedProcess, free_port
-from monitor import batching, wire
-from monitor.access import Keyring, ScopePolicy
 from monitor.broker.kafka_python import read_in_large_chunks
-from monitor.codec import Limits, Trace, decode, encode
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import head_metrics
-from monitor.exporter import MonitorMetrics
-from monitor.measure import Measured, MeasurerSpec, Result, trace_identity
-from monitor.measuring import CHUNK_RECORDS, MeasuringThread, chunks
-from monitor.memory import reuse_freed_memory
-from monitor.model_contract import ContractTable, ModelContract
-from monitor.pipeline import Pipeline
-from monitor.records import Record
-from monitor.schema import TraceHeader
+from monitor.measuring import batching
+from monitor.measuring.measurer import Measured, MeasurerSpec, Result, trace_identity
+from monitor.measuring.tuning import reuse_freed_memory
+from monitor.measuring.workers import CHUNK_RECORDS, MeasuringThread, chunks
+from monitor.protocol import wire
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import Limits, Trace, decode, encode
+from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.records import Record
+from monitor.protocol.schema import TraceHeader
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.pipeline import Pipeline
 from monitor.settings import Settings
 from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 

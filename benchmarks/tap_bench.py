@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from monitor.codec import encode
 from monitor.integrations.transformers import attach
+from monitor.protocol.codec import encode
 from tests.integrations.models import SENTENCES, llama, minilm
 
 RATES = (None, "again", 0.0, 0.01, 1.0)

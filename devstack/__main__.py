@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  super user {kafka.ADMIN_USER} / {kafka.ADMIN_PASSWORD}, {kafka.MECHANISM}")
             if not args.no_topics:
                 from monitor.broker.admin import create_topics
-                from monitor.topics import layout
+                from monitor.protocol.topics import layout
 
                 specs = layout(partitions=args.partitions)
                 create_topics(broker.client_config(), specs, replication_factor=1)

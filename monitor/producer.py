@@ -8,12 +8,12 @@ The wire format is in ``docs/wire-format.md``; the transformers integration
 
 from pathlib import Path
 
-from monitor.access import Keyring
 from monitor.broker.producer import TraceProducer
-from monitor.codec import encode
-from monitor.model_contract import LayerContract, ModelContract
-from monitor.schema import OUTCOMES, Scope, TaskOutcome, TraceHeader
-from monitor.topics import Topics
+from monitor.protocol.access import Keyring
+from monitor.protocol.codec import encode
+from monitor.protocol.model_contract import LayerContract, ModelContract
+from monitor.protocol.schema import OUTCOMES, Scope, TaskOutcome, TraceHeader
+from monitor.protocol.topics import Topics
 
 __all__ = [
            "OUTCOMES",

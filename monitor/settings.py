@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits
 from monitor.core.detect import DetectorConfig
 from monitor.errors import ConfigurationError
-from monitor.topics import DEFAULT, Topics
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import Limits
+from monitor.protocol.topics import DEFAULT, Topics
 
 CommaList = Annotated[list[str], NoDecode]
 

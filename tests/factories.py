@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, decode, encode
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import Limits, decode, encode
 from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 KEY_ID = "test-key"

@@ -1,8 +1,10 @@
 """Imports point one way. monitor/core and monitor/routing are pure (numpy + stdlib +
 themselves); every other module sits on a rank of the table below and imports only from
-lower ranks, so the record's path reads top-down and no import circle can form. Only
-``monitor.broker`` imports the Kafka client; only ``monitor.integrations`` imports torch
-or transformers. A new module must be given its rank here."""
+lower ranks, so the record's path reads top-down and no import circle can form. The
+concept packages (``protocol``, ``measuring``, ``service``) are ranked module by module,
+so their insides obey the same rule. Only ``monitor.broker`` imports the Kafka clients;
+only ``monitor.integrations`` imports torch or transformers. A new module must be given
+its rank here."""
 
 from __future__ import annotations
 
@@ -13,32 +15,34 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "monitor"
 PURE = ("core", "routing")
 ALLOWED_THIRD_PARTY = {"numpy"}
+#: packages whose modules are ranked one by one (``protocol.codec``); any other package is one unit
+SPLIT = {"protocol", "measuring", "service"}
 
-#: lowest first; a unit is a module, or a whole package for the folders named here
+#: lowest first; a unit is a module, a module of a SPLIT package, or a whole other package
 RANKS: list[set[str]] = [
     {"core"},
-    {"routing", "errors", "records", "topics", "memory", "garbage", "health", "batching"},
-    {"wire", "schema", "model_contract", "references"},
-    {"access", "deadletter", "findings", "triage", "study", "checkpoint", "exporter", "http", "ring",
-     "state_file", "assignment"},
-    {"codec"},
-    {"settings", "measure"},
-    {"measuring_child"},
-    {"measuring", "broker"},
-    {"pipeline", "producer"},
-    {"delivery"},
-    {"service"},
+    {"routing", "errors", "protocol.records", "protocol.topics", "measuring.tuning", "measuring.batching",
+     "service.health"},
+    {"protocol.wire", "protocol.schema", "protocol.model_contract", "protocol.decisions", "measuring.ring"},
+    {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.contract_derivation", "triage",
+     "study", "service.exporter", "service.http", "service.state_file", "service.assignment"},
+    {"protocol.codec"},
+    {"settings", "measuring.measurer"},
+    {"measuring.child"},
+    {"measuring.workers", "broker"},
+    {"service.pipeline", "producer"},
+    {"service.delivery"},
+    {"service.loop"},
     {"tools", "integrations"},
     {"cli"},
     {"__main__"},
 ]
-PACKAGES = {"core", "routing", "broker", "tools", "integrations", "triage", "study", "cli"}
 ONLY_HERE = {"kafka": "broker", "confluent_kafka": "broker", "torch": "integrations", "transformers": "integrations"}
 
 
 def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
     """Absolute module names imported anywhere in the file (function-level imports too);
-    ``from monitor import x`` counts as an import of ``monitor.x`` when x is a module."""
+    ``from monitor.p import x`` counts as an import of ``monitor.p.x`` when x is a module."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ["monitor", *path.relative_to(root).parent.parts]
     found = []
@@ -49,17 +53,21 @@ def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
             base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
                 if node.level else node.module or ""
             found.append((node.lineno, base))
-            if base == "monitor":
-                found += [(node.lineno, f"monitor.{alias.name}") for alias in node.names
-                          if (root / alias.name).is_dir() or (root / f"{alias.name}.py").exists()]
+            if base == "monitor" or base.startswith("monitor."):
+                folder = root.joinpath(*base.split(".")[1:])
+                found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names
+                          if (folder / alias.name).is_dir() or (folder / f"{alias.name}.py").exists()]
     return found
 
 
 def _unit(module: str) -> str | None:
-    """The ranked unit of a ``monitor.…`` module name (None for the package itself)."""
+    """The ranked unit of a ``monitor.…`` module name (None for the package itself and
+    for a SPLIT package's own ``__init__``)."""
     parts = module.split(".")
     if parts[0] != "monitor" or len(parts) == 1:
         return None
+    if parts[1] in SPLIT:
+        return f"{parts[1]}.{parts[2]}" if len(parts) > 2 and parts[2] != "__init__" else None
     return parts[1]
 
 
@@ -74,9 +82,9 @@ def _modules() -> list[tuple[Path, str]]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if rel.parts == ("__init__.py",):
-            continue
-        out.append((path, rel.parts[0].removesuffix(".py")))
+        unit = _unit(".".join(["monitor", *rel.with_suffix("").parts]))
+        if unit is not None and unit != "__init__":
+            out.append((path, unit))
     return out
 
 
@@ -103,7 +111,7 @@ def test_the_kafka_client_and_torch_stay_at_their_edges():
     for path, unit in _modules():
         for line, module in _imports(path):
             home = ONLY_HERE.get(module.split(".")[0])
-            if home is not None and unit != home:
+            if home is not None and unit.split(".")[0] != home:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module} (only monitor.{home} may)")
     assert not bad, "\n".join(bad)
 
@@ -134,7 +142,16 @@ def test_the_checks_themselves_catch_what_they_forbid(tmp_path):
     probe = root / "core" / "probe.py"
     probe.write_text("import pydantic\nfrom monitor import settings\nfrom .. import cli\nfrom . import metrics\n")
     modules = [m for _, m in _imports(probe, root)]
-    assert modules == ["pydantic", "monitor", "monitor.settings", "monitor", "monitor.cli", "monitor.core"]
+    assert modules == ["pydantic", "monitor", "monitor.settings", "monitor", "monitor.cli", "monitor.core",
+                       "monitor.core.metrics"]
     assert [m for m in modules if not _pure(m)] == ["pydantic", "monitor", "monitor.settings", "monitor",
                                                     "monitor.cli"]
-    assert _unit("monitor.settings") == "settings" and _rank("settings") > _rank("codec")
+    assert _unit("monitor.settings") == "settings" and _rank("settings") > _rank("protocol.codec")
+    assert _unit("monitor.protocol.codec") == "protocol.codec" and _unit("monitor.protocol") is None
+    assert _unit("monitor.broker.tables") == "broker"
+    (root / "protocol").mkdir()
+    (root / "protocol" / "wire.py").write_text("")
+    nested = root / "protocol" / "probe.py"
+    nested.write_text("from monitor.protocol import wire\nfrom . import wire as w\n")
+    assert [m for _, m in _imports(nested, root)] == ["monitor.protocol", "monitor.protocol.wire", "monitor.protocol",
+                                                      "monitor.protocol.wire"]

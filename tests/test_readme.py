@@ -14,7 +14,7 @@ import pytest
 from kafka import KafkaAdminClient
 
 from devstack.process import free_port
-from monitor.topics import DEFAULT, layout
+from monitor.protocol.topics import DEFAULT, layout
 from tests.service.harness import Monitor, series
 
 pytestmark = pytest.mark.kafka

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.study.topics import examples
 from monitor.integrations.ablation import HeadAblation
-from monitor.integrations.study import EvalSet, StudyConfig, layout, retrieval, run_study
+from monitor.integrations.ablation_study import EvalSet, StudyConfig, layout, retrieval, run_study
 from monitor.study.design import head_name
 
 

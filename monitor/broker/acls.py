@@ -21,7 +21,7 @@ from kafka.errors import KafkaError
 
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
-from monitor.topics import Topics
+from monitor.protocol.topics import Topics
 
 ROLES = ("monitor", "model-server", "operator")
 READ, WRITE, DESCRIBE = "READ", "WRITE", "DESCRIBE"

@@ -12,8 +12,8 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from monitor.broker.errors import infrastructure_error
 from monitor.broker.tables import TableReader
 from monitor.errors import InfrastructureError
-from monitor.references import ReferenceDecision, ReferenceTable
-from monitor.topics import TopicSpec
+from monitor.protocol.decisions import ReferenceDecision, ReferenceTable
+from monitor.protocol.topics import TopicSpec
 
 CREATED, EXISTS = "created", "exists"
 

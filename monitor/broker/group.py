@@ -24,7 +24,7 @@ from monitor.broker.errors import infrastructure_error
 from monitor.broker.kafka_python import keep_finished_joins
 from monitor.broker.member import TP, Changes, Member
 from monitor.errors import InfrastructureError
-from monitor.records import Record
+from monitor.protocol.records import Record
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from kafka.errors import KafkaError
 
 from monitor.broker.end_offsets import EndOffsets
 from monitor.broker.errors import infrastructure_error
-from monitor.records import Record
+from monitor.protocol.records import Record
 
 TP = tuple[str, int]
 

@@ -34,7 +34,7 @@ from kafka.errors import (
 
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
-from monitor.records import Output
+from monitor.protocol.records import Output
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]

@@ -24,10 +24,10 @@ import numpy as np
 from kafka import KafkaProducer
 from numpy.typing import NDArray
 
-from monitor.codec import encode
-from monitor.model_contract import ContractTable, ModelContract
-from monitor.schema import TaskOutcome, TraceHeader
-from monitor.topics import DEFAULT, TRACE_RECORD_BYTES, Topics
+from monitor.protocol.codec import encode
+from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.schema import TaskOutcome, TraceHeader
+from monitor.protocol.topics import DEFAULT, TRACE_RECORD_BYTES, Topics
 
 #: trace ids remembered to refuse a second use (a trace id is unique per request × layer)
 RECENT_TRACE_IDS = 100_000

@@ -41,7 +41,7 @@ from monitor.broker.librdkafka import (
 )
 from monitor.broker.member import TP, Member
 from monitor.errors import InfrastructureError
-from monitor.records import Record
+from monitor.protocol.records import Record
 
 log = logging.getLogger(__name__)
 #: consumer errors that stop the service: the principal lost its rights

@@ -14,7 +14,7 @@ from kafka.errors import KafkaError
 
 from monitor.broker.errors import infrastructure_error
 from monitor.errors import InfrastructureError
-from monitor.records import Source
+from monitor.protocol.records import Source
 
 TP = tuple[str, int]
 

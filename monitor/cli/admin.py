@@ -32,7 +32,7 @@ def topics_create(
     Topics that already exist are left as they are. Exits 3 when the broker refuses."""
     from monitor.broker.admin import create_topics
     from monitor.errors import InfrastructureError
-    from monitor.topics import layout
+    from monitor.protocol.topics import layout
 
     settings = load_settings()
     specs = layout(settings.topics(), partitions)
@@ -86,8 +86,8 @@ def keyring_new(
     import os
     import secrets
 
-    from monitor.access import Keyring
     from monitor.errors import ConfigurationError
+    from monitor.protocol.access import Keyring
 
     tenants = {kid: tenant or [kid] for kid in key_id}
     doc = {kid: {"secret": secrets.token_urlsafe(32), "tenants": tenants[kid], "contracts": contracts}
@@ -116,7 +116,7 @@ def _decide(target: str, action: str, reference: str | None, by: str | None) -> 
 
     from monitor.broker.admin import publish_decision
     from monitor.errors import InfrastructureError
-    from monitor.references import ReferenceDecision, parse_target
+    from monitor.protocol.decisions import ReferenceDecision, parse_target
 
     settings = load_settings()
     try:

@@ -83,7 +83,7 @@ def contract_derive(
     """
     from pydantic import ValidationError
 
-    from monitor.checkpoint import CheckpointError, derive_contract
+    from monitor.protocol.contract_derivation import CheckpointError, derive_contract
 
     if mask not in (None, "causal", "bidirectional"):
         typer.echo(f"error: --mask must be causal or bidirectional, got {mask!r}", err=True)
@@ -136,7 +136,7 @@ def study(
     recommendation to prune. Needs the transformers extra. docs/study.md explains.
     """
     try:
-        from monitor.integrations.study import EvalSet, StudyConfig, load_metric, load_models, run_study
+        from monitor.integrations.ablation_study import EvalSet, StudyConfig, load_metric, load_models, run_study
         from monitor.study.design import parse_heads
         from monitor.study.report import render
     except ImportError as exc:

@@ -27,7 +27,7 @@ def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERR
     (decode, metrics, detection run in a child process) died.
     """
     from monitor.errors import ConfigurationError
-    from monitor.service import run_service
+    from monitor.service.loop import run_service
 
     setup_logging(log_level)
     settings = load_settings()
@@ -54,7 +54,7 @@ def demo(
     """
     from prometheus_client import CollectorRegistry
 
-    from monitor.http import MetricsServer
+    from monitor.service.http import MetricsServer
     from monitor.tools.demo import run_demo, summary
 
     setup_logging("ERROR")  # the summary reports the rejections; no per-record warnings here

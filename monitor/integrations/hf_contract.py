@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from monitor.checkpoint import default_mask
-from monitor.model_contract import LayerContract, ModelContract
+from monitor.protocol.contract_derivation import default_mask
+from monitor.protocol.model_contract import LayerContract, ModelContract
 
 
 def _text_config(config: Any) -> Any:

@@ -52,8 +52,8 @@ from numpy.typing import NDArray
 from monitor.integrations.attention_wrapper import AttentionWrapper
 from monitor.integrations.hf_contract import contract_from_config, weights_revision
 from monitor.integrations.sender import Sender, TapCounts
-from monitor.model_contract import ModelContract
-from monitor.schema import Scope, TraceHeader, check_identifier
+from monitor.protocol.model_contract import ModelContract
+from monitor.protocol.schema import Scope, TraceHeader, check_identifier
 
 __all__ = ["AttentionTap", "TapCounts", "attach", "contract_from_config", "weights_revision"]
 

@@ -19,18 +19,18 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from monitor.access import Keyring, ScopePolicy
-from monitor.codec import Limits, encode
 from monitor.core.detect import DetectorConfig
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
-from monitor.exporter import MonitorMetrics
-from monitor.measure import MeasurerSpec
-from monitor.measuring import MeasuringThread
-from monitor.model_contract import ContractTable
-from monitor.pipeline import Pipeline
-from monitor.records import Output, Record
+from monitor.measuring.measurer import MeasurerSpec
+from monitor.measuring.workers import MeasuringThread
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import Limits, encode
+from monitor.protocol.model_contract import ContractTable
+from monitor.protocol.records import Output, Record
+from monitor.protocol.topics import Topics
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.pipeline import Pipeline
 from monitor.tools.scenario import Fault, Scenario
-from monitor.topics import Topics
 
 KEY_ID, SECRET = "demo", b"demo-secret-not-for-production"
 COLLAPSING_LAYER = 2

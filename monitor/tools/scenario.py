@@ -28,8 +28,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.model_contract import LayerContract, ModelContract
-from monitor.schema import Scope, TraceHeader
+from monitor.protocol.model_contract import LayerContract, ModelContract
+from monitor.protocol.schema import Scope, TraceHeader
 
 ROLES = ("previous", "sink", "local", "content", "broad")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.model_contract import LayerContract, ModelContract
-from monitor.schema import Scope, TraceHeader
+from monitor.protocol.model_contract import LayerContract, ModelContract
+from monitor.protocol.schema import Scope, TraceHeader
 
 ROLES = ("local", "sink", "broad", "peaked")
 

@@ -20,7 +20,7 @@ from monitor.broker.librdkafka import QuietRepeats, group_metadata, librdkafka_c
 from monitor.broker.outputs import GroupMovedOn, OutputProducer
 from monitor.broker.rd_group import RdGroupConsumer
 from monitor.errors import InfrastructureError
-from monitor.records import Output
+from monitor.protocol.records import Output
 
 
 def test_connection_settings_in_librdkafka_words():

@@ -9,7 +9,7 @@ import pytest
 from kafka import KafkaConsumer
 
 from monitor.producer import TaskOutcome, TraceProducer
-from monitor.topics import Topics
+from monitor.protocol.topics import Topics
 from tests.factories import KEY_ID, SECRET, decode_default, make_trace
 
 pytestmark = pytest.mark.kafka

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from monitor.codec import valid_keys
 from monitor.core.detect import Detector, DetectorConfig, Observation, Verdict, cusum_threshold
 from monitor.core.metrics import head_metrics
+from monitor.protocol.codec import valid_keys
 from monitor.tools.scenario import Fault, Scenario
 
 HEALTHY = Scenario(revision="r1")

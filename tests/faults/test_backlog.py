@@ -10,7 +10,7 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from monitor.codec import encode
+from monitor.protocol.codec import encode
 from tests.factories import KEY_ID, SECRET, make_trace
 from tests.faults.accounting import one_output_each, processed
 from tests.service.harness import Monitor, OutputReader, make_topics, monitor_env, publish_contracts, send_traces

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.model_contract import LayerContract, ModelContract
+from monitor.protocol.model_contract import LayerContract, ModelContract
 from monitor.tools.synthetic import make_header
 from tests.faults.accounting import processed
 from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts, send_traces

@@ -17,7 +17,7 @@ from kafka import KafkaAdminClient
 
 from devstack.kafka import start_broker
 from devstack.wait import wait_for
-from monitor.codec import encode
+from monitor.protocol.codec import encode
 from tests.conftest import _topic_factory
 from tests.factories import KEY_ID, SECRET
 from tests.faults.accounting import one_dead_letter_each, one_output_each, processed

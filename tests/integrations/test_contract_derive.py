@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from monitor.cli import app
 from monitor.integrations.transformers import contract_from_config
-from monitor.model_contract import ModelContract
+from monitor.protocol.model_contract import ModelContract
 from tests.integrations.models import minilm
 
 runner = CliRunner()

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from monitor.access import Keyring, ScopePolicy
-from monitor.codec import decode, encode
 from monitor.integrations.transformers import attach, contract_from_config
-from monitor.schema import Scope
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import decode, encode
+from monitor.protocol.schema import Scope
 from tests.integrations.models import MODELS, twins
 
 SCOPE = Scope(tenant="team-a", data_class="internal")

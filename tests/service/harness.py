@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.process import ManagedProcess, free_port
 from devstack.wait import wait_for
-from monitor.model_contract import ContractTable
 from monitor.producer import TraceProducer
-from monitor.topics import Topics
+from monitor.protocol.model_contract import ContractTable
+from monitor.protocol.topics import Topics
 from tests.factories import CONTRACT, KEY_ID, SECRET
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 
 from devstack.process import free_port
 from devstack.wait import wait_for
-from monitor.codec import encode
+from monitor.protocol.codec import encode
 from tests.factories import make_trace
 from tests.service.harness import (
     Monitor,

@@ -1,4 +1,4 @@
-"""What a completed rebalance keeps of the poll that brought it (monitor.assignment).
+"""What a completed rebalance keeps of the poll that brought it (monitor.service.assignment).
 
 The real-broker tests (test_delivery) cover rebalances end to end; the case here, a
 rebalance arriving in the same poll as records of a kept partition read from a reset
@@ -8,8 +8,8 @@ checked on the assignment logic itself.
 
 from __future__ import annotations
 
-from monitor.assignment import Assignment
-from monitor.records import Record
+from monitor.protocol.records import Record
+from monitor.service.assignment import Assignment
 
 
 def test_records_already_processed_are_dropped_and_kept_partitions_never_go_back():

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from monitor.core.detect import DetectorConfig
-from monitor.state_file import StateFile
+from monitor.service.state_file import StateFile
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 2, "references": [{"key": 1}]}),
@@ -20,7 +20,7 @@ from monitor.state_file import StateFile
 def test_an_unusable_state_file_is_ignored(tmp_path, caplog, content):
     state = StateFile(tmp_path, "instance")
     state.path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="monitor.state_file"):
+    with caplog.at_level(logging.WARNING, logger="monitor.service.state_file"):
         assert state.load(DetectorConfig()) is None
     assert "ignoring unreadable reference state" in caplog.text
 

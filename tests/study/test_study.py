@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from monitor.integrations.study import EvalSet, StudyConfig, loglik, run_study
+from monitor.integrations.ablation_study import EvalSet, StudyConfig, loglik, run_study
 from monitor.study.design import magnitude_controls, parse_heads, random_controls, split
 from monitor.study.verdict import ESTABLISHED, NOT_ESTABLISHED
 from tests.study.copy_model import build, examples

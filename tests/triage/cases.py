@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from monitor.codec import valid_keys
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.incidents import IncidentTracker
 from monitor.core.metrics import head_metrics
-from monitor.findings import anomaly_record, evidence_fields, incident_record
+from monitor.protocol.codec import valid_keys
+from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
 from monitor.tools.scenario import Fault, Scenario
 
 HEALTHY = Scenario(revision="r1")

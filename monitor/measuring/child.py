@@ -1,0 +1,206 @@
+"""The measuring child process and the commands a measurer takes.
+
+A :class:`Child` is one spawned process running a :class:`~monitor.measuring.measurer.Measurer`
+(see :mod:`monitor.measuring.workers` for how the service feeds one or several): commands go
+down one pipe and results come back up another, read by one thread, in order. Record
+values arrive as places in the shared ring (:mod:`monitor.measuring.ring`), read without a copy.
+The child ignores SIGINT and SIGTERM (the service stops it after the last batch) and
+leaves when its request pipe closes, which also happens when the service dies by
+``kill -9``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import multiprocessing
+import signal
+import threading
+from collections import deque
+from concurrent.futures import Future
+from enum import Enum
+from multiprocessing.connection import Connection
+from typing import Any
+
+from monitor.errors import MeasuringFailed
+from monitor.measuring import ring as ring_module
+from monitor.measuring.measurer import Measurer, MeasurerSpec
+from monitor.measuring.tuning import collect_less, reuse_freed_memory
+from monitor.protocol.records import Record
+
+log = logging.getLogger(__name__)
+
+#: how long closing waits for the child to leave before it is killed
+STOP_TIMEOUT_S = 10.0
+#: the results pipe's buffer: a chunk's results (about 1.3 KB a trace measured, 3.3 KB
+#: a trace observed) fit, so the child goes on to the next chunk instead of waiting for the
+#: service's reader to take them (with Linux's default 64 KiB it waited 2–5 % of its
+#: time; A/B on the service bench, 4 pairs: +3 to +12 % traces/s)
+RESULTS_PIPE_BYTES = 1024 * 1024
+#: a record in the ring: topic, partition, offset, start, length
+Placed = tuple[str, int, int, int, int]
+
+
+class Command(Enum):
+    """What a measurer is asked to do; the arguments are in :func:`execute`."""
+
+    MEASURE = "measure"  #: (records,) → results
+    MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
+    OBSERVE = "observe"  #: (records,) → observed (decoded, verified, measured; not judged)
+    OBSERVE_PLACED = "observe_placed"  #: (placed records in the ring,) → observed
+    JUDGE = "judge"  #: (observed,) → results
+    SET_CONTRACTS = "set_contracts"  #: (contracts,)
+    FORGET = "forget"  #: (trace ids,): let these traces through again
+    DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
+    REMEMBER = "remember"  #: (trace ids,): already processed (read back from the outputs)
+    STATE = "state"  #: () → the detector's reference state
+    PING = "ping"  #: () → None, once everything before it is done
+    STOP = "stop"  #: (): the child leaves
+
+
+def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
+    """Carry out one command on ``measurer``."""
+    if command is Command.MEASURE:
+        return measurer.measure(args[0])
+    if command is Command.MEASURE_PLACED:
+        return measurer.measure(_from_ring(args[0], ring))
+    if command is Command.OBSERVE:
+        return measurer.observe(args[0])
+    if command is Command.OBSERVE_PLACED:
+        return measurer.observe(_from_ring(args[0], ring))
+    if command is Command.JUDGE:
+        return measurer.judge(args[0])
+    if command is Command.SET_CONTRACTS:
+        return measurer.set_contracts(args[0])
+    if command is Command.FORGET:
+        return measurer.forget(args[0])
+    if command is Command.DECIDE:
+        return measurer.decide(args[0])
+    if command is Command.REMEMBER:
+        return measurer.remember(args[0])
+    if command is Command.STATE:
+        return measurer.detector.state_dict()
+    if command is Command.PING:
+        return None
+    raise ValueError(f"{command} is not executed by a measurer")
+
+
+def _from_ring(placed: list[Placed], ring: memoryview | None) -> list[Record]:
+    """The records placed in the ring, their values views of it (no copy)."""
+    if ring is None:
+        raise ValueError("records placed in a ring, but there is no ring here")
+    return [Record(topic, partition, offset, None, ring[start : start + length])
+            for topic, partition, offset, start, length in placed]
+
+
+class Child:
+    """The spawned measuring process, serving commands one after the other: requests go
+    down one pipe, results come back up another, where a thread matches them to the
+    futures waiting in order."""
+
+    def __init__(self, spec: MeasurerSpec, ring_path: str):
+        ctx = multiprocessing.get_context("spawn")
+        requests, self._requests = ctx.Pipe(duplex=False)
+        self._results, results_end = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(requests, results_end, spec, ring_path),
+                                   name="attention-monitor-measuring", daemon=True)
+        self.process.start()
+        requests.close()  # only the child holds these ends now: its exit closes them
+        results_end.close()
+        _widen(self._results)
+        self._waiting: deque[Future[Any]] = deque()
+        self._send = threading.Lock()
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="measuring-results", daemon=True)
+        self._reader.start()
+
+    def call(self, command: Command, args: tuple[Any, ...]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._send:
+            self.check()
+            self._waiting.append(future)  # before sending: the reader may answer at once
+            try:
+                self._requests.send((command, args))
+            except OSError as exc:
+                self._fail(f"cannot reach it: {exc}")
+        return future
+
+    @property
+    def in_flight(self) -> int:
+        """Commands sent and not yet answered."""
+        return len(self._waiting)
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise MeasuringFailed(f"the measuring process died: {self._failure}")
+
+    def close(self) -> None:
+        if self._failure is None:
+            with contextlib.suppress(OSError):
+                self._requests.send((Command.STOP, ()))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._requests.close()
+        self._reader.join(STOP_TIMEOUT_S)
+        self._results.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ok, value = self._results.recv()
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                self._fail(f"exit code {self.process.exitcode}")
+                return
+            future = self._waiting.popleft()
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+        while self._waiting:
+            self._waiting.popleft().set_exception(MeasuringFailed(f"the measuring process died: {self._failure}"))
+
+
+def _widen(pipe: Connection) -> None:
+    """Give the pipe a ``RESULTS_PIPE_BYTES`` buffer (Linux); where that is refused, it
+    keeps its size and the start log says so."""
+    try:
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, RESULTS_PIPE_BYTES)
+    except (AttributeError, OSError) as exc:  # not Linux, or above /proc/sys/fs/pipe-max-size
+        log.info("the measuring results pipe keeps its default size (%s): the measuring process may wait for "
+                 "the service to read its results", exc)
+
+
+def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ring_path: str) -> None:
+    """The child's main loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s[measuring]: %(message)s")
+    if spec.reuse_freed_memory:
+        reuse_freed_memory()
+    ring = ring_module.attach(ring_path)
+    measurer = spec.build()
+    collect_less()  # see monitor.measuring.tuning: its young collections cost it about 12 µs a trace
+    while True:
+        try:
+            command, args = requests.recv()
+        except (EOFError, OSError):
+            return  # the service is gone
+        if command is Command.STOP:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, execute(measurer, command, args, ring))
+        except Exception as exc:  # a bug, not a record: the caller's future raises it
+            log.exception("measuring command %s failed", command.value)
+            reply = (False, RuntimeError(f"measuring command {command.value} failed: {type(exc).__name__}: {exc}"))
+        try:
+            results_end.send(reply)
+        except (OSError, ValueError):
+            return

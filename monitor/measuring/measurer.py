@@ -1,0 +1,334 @@
+"""Measuring trace records: decode → verify → contract check → metrics → detector.
+
+Everything a trace needs that neither writes outputs nor touches the join buffer or the
+exporter lives here, so it can run in a thread or a separate process while the service
+keeps consuming (:mod:`monitor.measuring.workers`). Its results are small picklable values: a
+trace's identity and metrics, the anomalies it raised, or why it was rejected. Never
+weights.
+
+Measuring is two steps. :meth:`Measurer.observe` decodes, verifies and measures: it
+depends on nothing but the record and the contracts, so several processes may share it.
+:meth:`Measurer.judge` then takes the observed traces in record order, skips those seen
+before (the de-duplication window) and runs the detector, whose references depend on
+that order. :meth:`Measurer.measure` is both, in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from monitor.core._blocks import Scratch
+from monitor.core.detect import Ahead, Anomaly, Detector, DetectorConfig, Observation, Verdict
+from monitor.core.join import RecentKeys
+from monitor.core.metrics import HeadMetrics, head_metrics
+from monitor.errors import RejectReason, TraceRejected
+from monitor.measuring import batching
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import Limits, Trace, check_mass, check_values, decode, masses_within
+from monitor.protocol.decisions import ReferenceDecision
+from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.records import Record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A trace that passed every check, measured and judged."""
+
+    identity: dict[str, Any]  #: ids, model identity, layer, source (what anomaly records carry)
+    heads: tuple[str, ...]
+    entropy: list[float]
+    concentration: list[float]
+    sink_share: list[float]
+    diversity: float
+    effective_heads: float
+    seconds: float  #: time spent decoding, measuring and judging (a batch's metrics time shared equally)
+    verdict: Verdict = field(default_factory=lambda: Verdict([], None, False, 0, False))
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        return self.verdict.anomalies
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A verified, measured trace not yet judged: what the detector needs, no weights."""
+
+    identity: dict[str, Any]
+    heads: tuple[str, ...]
+    entropy: NDArray[np.float64]
+    concentration: NDArray[np.float64]
+    sink_share: NDArray[np.float64]
+    similarity: NDArray[np.float64]
+    diversity: float
+    effective_heads: float
+    seconds: float
+
+
+class ObservedChunk(list["Observed | Rejected"]):
+    """A chunk's observations, in record order. It crosses from a measuring process to
+    the judge in one pickle with each metric of its traces stacked into one array (per
+    trace arrays cost about 16 µs a trace to pickle and unpickle, stacked about 5);
+    unpickled, it is a plain list again and each trace's arrays are views of those."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        traces = [(i, item) for i, item in enumerate(self) if isinstance(item, Observed)]
+        shapes = {(o.entropy.shape, o.similarity.shape) for _, o in traces}
+        if len(shapes) != 1:  # none, or traces of several head counts: each as it is
+            return list, (list(self),)
+        rest = [None if isinstance(item, Observed) else item for item in self]
+        fields = [(i, o.identity, o.heads, o.diversity, o.effective_heads, o.seconds) for i, o in traces]
+        arrays = [np.stack([getattr(o, name) for _, o in traces]) for name in _STACKED]
+        return _unstack, (rest, fields, *arrays)
+
+
+_STACKED = ("entropy", "concentration", "sink_share", "similarity")
+
+
+def _unstack(rest: list[Any], fields: list[tuple[Any, ...]], entropy: NDArray[np.float64],
+             concentration: NDArray[np.float64], sink_share: NDArray[np.float64],
+             similarity: NDArray[np.float64]) -> list[Observed | Rejected]:
+    for row, (i, identity, heads, diversity, effective_heads, seconds) in enumerate(fields):
+        rest[i] = Observed(identity, heads, entropy[row], concentration[row], sink_share[row], similarity[row],
+                           diversity, effective_heads, seconds)
+    return rest
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: RejectReason
+    detail: str
+    header: Any  #: the verified header, when the signature checked out
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    trace_id: str
+
+
+Result = Measured | Rejected | Duplicate
+
+
+@dataclass(frozen=True)
+class MeasurerSpec:
+    """Everything needed to build a :class:`Measurer`; picklable, so a child process can
+    build its own."""
+
+    keyring: Keyring
+    scopes: ScopePolicy
+    limits: Limits
+    detector: DetectorConfig
+    dedupe_window: int
+    state: Mapping[str, Any] | None = None  #: detector reference state to start from
+    log_level: int = logging.INFO
+    reuse_freed_memory: bool = True  #: see :mod:`monitor.measuring.tuning`
+
+    def build(self) -> Measurer:
+        detector = Detector(self.detector)
+        if self.state is not None:
+            detector.merge_state(self.state)
+        return Measurer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), detector=detector,
+                        limits=self.limits, dedupe_window=self.dedupe_window)
+
+
+class Measurer:
+    def __init__(
+        self,
+        *,
+        keyring: Keyring,
+        scopes: ScopePolicy,
+        contracts: ContractTable,
+        detector: Detector,
+        limits: Limits | None = None,
+        dedupe_window: int = 100_000,
+    ):
+        self.keyring, self.scopes, self.contracts = keyring, scopes, contracts
+        self.detector = detector
+        self.limits = limits or Limits()
+        self.recent = RecentKeys(dedupe_window)
+        self._scratch = Scratch()
+
+    def measure(self, records: list[Record]) -> list[Result]:
+        """Results in record order; never raises for anything a producer can send."""
+        return self.judge(self.observe(records))
+
+    def observe(self, records: list[Record]) -> ObservedChunk:
+        """Decode, verify and measure, in record order; depends on no earlier record.
+        Traces of the same shape are measured as one batch (the metrics core is batched:
+        per-call overhead is shared)."""
+        results: list[Observed | Rejected | None] = [None] * len(records)
+        accepted: list[tuple[int, Trace, float]] = []
+        for i, record in enumerate(records):
+            started = time.perf_counter()
+            outcome = self._decode(record)
+            if isinstance(outcome, Trace):
+                accepted.append((i, outcome, time.perf_counter() - started))
+            else:
+                results[i] = outcome
+        measured = self._metrics([trace for _, trace, _ in accepted])
+        for (i, trace, spent), (metrics, shared, mass_ok) in zip(accepted, measured, strict=True):
+            results[i] = self._checked(records[i], trace, metrics, spent + shared, mass_ok)
+        return ObservedChunk(r for r in results if r is not None)
+
+    def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
+        """De-duplicate and run the detector, in the order given (record order). What
+        the detector can work out before judging is worked out for all the traces at
+        once (:meth:`Detector.ahead`; the verdicts are the same)."""
+        started = time.perf_counter()
+        traces = [item for item in observed if isinstance(item, Observed)]
+        observations = [Observation(
+            item.identity["model_id"], item.identity["model_revision"], item.identity["layer"],
+            item.identity["key_count"], item.heads, item.entropy, item.concentration, item.sink_share,
+            item.similarity, item.diversity) for item in traces]
+        try:
+            worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
+        except Exception as exc:  # each trace is worked out alone below, and fails alone
+            log.error("judging %d traces together failed unexpectedly", len(observations), exc_info=exc)
+            worked_out = [None] * len(observations)
+        pending = iter(zip(observations, worked_out, strict=True))
+        shared = (time.perf_counter() - started) / max(len(traces), 1)  #: each trace's share of that
+        out: list[Result] = []
+        for item in observed:
+            if isinstance(item, Rejected):
+                out.append(item)
+                continue
+            observation, worked = next(pending)
+            trace_id = item.identity["trace_id"]
+            if not self.recent.add(("trace", trace_id)):
+                out.append(Duplicate(trace_id))
+                continue
+            started = time.perf_counter() - shared
+            ident = item.identity
+            try:
+                verdict = self.detector.observe(observation, worked)
+            except Exception as exc:  # a verified record must not stop the partition either
+                log.error("judging %s failed unexpectedly", trace_id, exc_info=exc)
+                out.append(Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None))
+                continue
+            for event in verdict.events:
+                log.info("%s", event)
+            out.append(Measured(ident, item.heads, item.entropy.tolist(), item.concentration.tolist(),
+                                item.sink_share.tolist(), item.diversity, item.effective_heads,
+                                item.seconds + time.perf_counter() - started, verdict))
+        return out
+
+    def _decode(self, record: Record) -> Trace | Rejected:
+        try:
+            return decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,
+                          contracts=self.contracts.get, limits=self.limits, check_mass=False, check_values=False)
+        except TraceRejected as exc:
+            return Rejected(exc.reason, exc.detail, exc.header)
+        except Exception as exc:
+            log.exception("decode failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset)
+            return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None)
+
+    def _metrics(self, traces: list[Trace]) -> list[tuple[HeadMetrics | Exception, float, bool]]:
+        """Each trace's metrics (or the error measuring it raised), its share of the time
+        spent and whether its row masses passed decode's checks already, batching traces
+        of the same heads, rows and dtype and close key counts (:mod:`monitor.measuring.batching`)."""
+        unmeasured: tuple[HeadMetrics | Exception, float, bool] = (ValueError("not measured"), 0.0, False)
+        out = [unmeasured] * len(traces)
+        for members in batching.groups(traces):
+            started = time.perf_counter()
+            try:
+                passed = np.zeros(len(members), dtype=bool)
+                if len(members) == 1:
+                    t = traces[members[0]]
+                    batch = [head_metrics(t.weights, t.valid, scratch=self._scratch, with_mass=True)]
+                else:
+                    weights, valid = batching.batch([traces[j] for j in members])
+                    whole = head_metrics(weights, valid, scratch=self._scratch, with_mass=True)
+                    assert whole.row_mass is not None and whole.hidden_mass is not None
+                    passed = masses_within(whole.row_mass, whole.hidden_mass, valid, traces[members[0]].header.dtype,
+                                           self.limits)
+                    batch = _split(whole)
+            except Exception as exc:
+                if len(members) == 1:
+                    out[members[0]] = (exc, time.perf_counter() - started, False)
+                    continue
+                for j in members:  # one trace's failure must not cost the others their metrics
+                    out[j] = self._metrics([traces[j]])[0]
+                continue
+            share = (time.perf_counter() - started) / len(members)
+            for k, (j, metrics) in enumerate(zip(members, batch, strict=True)):
+                out[j] = (metrics, share, bool(passed[k]))
+        return out
+
+    def _checked(self, record: Record, trace: Trace, metrics: HeadMetrics | Exception,
+                 spent: float, mass_ok: bool = False) -> Observed | Rejected:
+        """The trace's metrics after decode's last checks (on this pass's sums)."""
+        started = time.perf_counter()
+        try:
+            if isinstance(metrics, Exception):
+                check_values(trace)  # weights the core refused: say which fault, as decode would
+                raise metrics
+            assert metrics.row_mass is not None and metrics.hidden_mass is not None
+            if not mass_ok:  # the batch's check passed it already
+                check_mass(trace, metrics.row_mass, metrics.hidden_mass, self.limits)
+        except TraceRejected as exc:
+            return Rejected(exc.reason, exc.detail, exc.header)
+        except Exception as exc:  # a verified record must not stop the partition either
+            log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
+                      exc_info=exc)
+            return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
+        m = metrics
+        return Observed(trace_identity(trace, record), tuple(trace.header.heads), m.entropy, m.concentration,
+                        m.sink_share, m.similarity, float(m.diversity), float(m.effective_heads),
+                        spent + time.perf_counter() - started)
+
+    def remember(self, trace_ids: list[str]) -> None:
+        """Treat these traces as processed already (their outputs were read back)."""
+        for trace_id in trace_ids:
+            self.recent.add(("trace", trace_id))
+
+    def forget(self, trace_ids: list[str]) -> None:
+        """Let these traces through again (their partition went elsewhere un-committed)."""
+        for trace_id in trace_ids:
+            self.recent.discard(("trace", trace_id))
+
+    def decide(self, decisions: list[ReferenceDecision]) -> None:
+        """Apply pins and promotions from the references topic, in order; a decision no
+        later than the one the state holds for its revision changes nothing."""
+        for d in decisions:
+            current = self.detector.decisions.get((d.model_id, d.revision))
+            if current is not None and current.source != "settings" and current.at >= d.at:
+                continue
+            if d.action == "promote":
+                self.detector.promote(d.model_id, d.revision, d.at)
+                log.info("%s %s promoted to be its own reference (by %s): it learns a reference from its next "
+                         "traces", d.model_id, d.revision, d.by)
+            else:
+                assert d.reference is not None
+                self.detector.pin(d.model_id, d.revision, d.reference, d.at)
+                log.info("%s %s pinned to the reference of %s (by %s)", d.model_id, d.revision, d.reference, d.by)
+
+    def set_contracts(self, contracts: list[ModelContract]) -> None:
+        table = ContractTable(max_contracts=max(len(contracts), 1))  # verified by the service already
+        for contract in contracts:
+            table.add(contract)
+        self.contracts = table
+
+
+def _split(m: HeadMetrics) -> list[HeadMetrics]:
+    """The per-trace metrics of a batch ``[B, ...]``."""
+    assert m.row_mass is not None and m.hidden_mass is not None
+    return [HeadMetrics(m.entropy[b], m.concentration[b], m.sink_share[b], m.similarity[b], m.diversity[b],
+                        m.effective_heads[b], m.row_mass[b], m.hidden_mass[b]) for b in range(len(m.diversity))]
+
+
+def trace_identity(trace: Trace, record: Record) -> dict[str, Any]:
+    h = trace.header
+    return {
+        "trace_id": h.trace_id, "request_id": h.request_id, "model_id": h.model_id,
+        "model_revision": h.model_revision, "contract_id": h.contract_id, "layer": h.layer,
+        "key_count": h.key_count, "trace_timestamp": h.timestamp,
+        "source": {"topic": record.topic, "partition": record.partition, "offset": record.offset},
+    }

@@ -1,0 +1,101 @@
+"""What producers send, as pydantic models: trace headers and task outcomes (see
+``docs/wire-format.md``). The model contract, which traces name by id, is
+:mod:`monitor.protocol.model_contract`."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["OUTCOMES", "Scope", "TaskOutcome", "TraceHeader"]
+
+SCHEMA_VERSION: Literal[1] = 1
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
+IDENTIFIER_MAX = 128
+#: the words a task outcome may say (a trace whose outcome never came is ``missing``)
+OUTCOMES = ("success", "failure")
+Outcome = Literal["success", "failure"]
+Identifier = Field(min_length=1, max_length=IDENTIFIER_MAX, pattern=IDENTIFIER_PATTERN)
+
+
+def check_identifier(value: str, what: str) -> str:
+    """``value`` if it can be a trace or request id; ``ValueError`` naming ``what`` otherwise."""
+    if not isinstance(value, str) or not 0 < len(value) <= IDENTIFIER_MAX or not re.match(IDENTIFIER_PATTERN, value):
+        raise ValueError(f"{what} {value!r} must be 1-{IDENTIFIER_MAX} characters of A-Z a-z 0-9 . _ : / @ + = -, "
+                         "starting with a letter or digit")
+    return value
+
+
+class Scope(BaseModel):
+    """Who the traced request belongs to: the access policy decides who may process it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    data_class: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class TraceHeader(BaseModel):
+    """One request × one layer. Everything but the weights; written as JSON in the
+    record's header section (see ``docs/wire-format.md``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    trace_id: str = Identifier
+    request_id: str = Identifier
+    model_id: str = Field(min_length=1, max_length=200)
+    model_revision: str = Field(min_length=1, max_length=200)
+    contract_id: str = Field(min_length=1, max_length=200)
+    layer: int = Field(ge=0, le=100_000)
+    heads: tuple[str, ...] = Field(min_length=1, description="query head ids in declared order")
+    kv_groups: tuple[int, ...] = Field(description="KV group of each query head")
+    query_positions: tuple[int, ...] = Field(min_length=1, description="key index of each sampled row's token")
+    key_count: int = Field(gt=0)
+    mask: Literal["causal", "bidirectional"]
+    padding_side: Literal["left", "right"] = "right"
+    padding: int = Field(default=0, ge=0, description="padded key positions on padding_side")
+    scale: float = Field(gt=0)
+    weights_source: Literal["eager", "fallback", "recomputed"] = Field(
+        "eager", description="eager: the model's own weights; recomputed: from its query and key states (a tap "
+        "around fused attention); fallback: another path")
+    dtype: Literal["float16", "float32"]
+    sample_rate: float = Field(gt=0, le=1)
+    scope: Scope
+    producer_id: str = Field(min_length=1, max_length=128)
+    timestamp: float = Field(ge=0, description="seconds since the epoch, when the request ran")
+
+    @field_validator("scale", "timestamp", "sample_rate")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TraceHeader:
+        if len(self.kv_groups) != len(self.heads):
+            raise ValueError("kv_groups needs one group per head")
+        if self.padding >= self.key_count:
+            raise ValueError("padding leaves no key")
+        if any(p < 0 or p >= self.key_count for p in self.query_positions):
+            raise ValueError("query_positions must index keys (0 <= position < key_count)")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.heads), len(self.query_positions), self.key_count
+
+
+class TaskOutcome(BaseModel):
+    """How the traced request ended, as the task system saw it (topic ``task-outcomes``,
+    JSON, key = request_id)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    request_id: str = Identifier
+    outcome: Outcome
+    timestamp: float = Field(default=0.0, ge=0)

@@ -1,0 +1,94 @@
+"""Completing a batch: its outputs and the offsets it allows, committed together.
+
+Offsets are committed only in the transaction that writes the batch's outputs
+(:class:`~monitor.broker.outputs.OutputProducer`), so nothing is committed without its
+output. When the batch taught a reference something, the reference state is saved
+first: a crash can never commit the traces that taught a reference it then forgets. A
+transaction that fails is aborted and tried again, with the same outputs and offsets,
+until it succeeds or the service is asked to stop; meanwhile ``/readyz`` says 503. When
+the group moved on (this instance's partitions went elsewhere during an outage), the
+batch is not committed and the service ends with exit code 3: it restarts from the
+committed offsets and reads back what was written, so nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from monitor.broker.member import Member
+from monitor.broker.outputs import GroupMovedOn, OutputProducer
+from monitor.errors import InfrastructureError
+from monitor.service.assignment import Assignment
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.health import Health
+from monitor.service.pipeline import Batch, Pipeline
+
+log = logging.getLogger(__name__)
+TP = tuple[str, int]
+#: how long a stop request waits for a failing commit before the service gives up on it
+STOP_GRACE_S = 30.0
+
+
+class Delivery:
+    def __init__(self, producer: OutputProducer, consumer: Member, pipeline: Pipeline,
+                 assignment: Assignment, metrics: MonitorMetrics, health: Health, stopping: threading.Event,
+                 save_state: Callable[[], None]):
+        self.producer, self.consumer, self.pipeline = producer, consumer, pipeline
+        self.assignment, self.metrics, self.health = assignment, metrics, health
+        self.stopping = stopping
+        self.save_state = save_state
+        self.committed: dict[TP, int] = {}
+        self.rejoin_timeout_s = 60.0
+
+    def complete(self, batch: Batch) -> None:
+        """Commit a batch's outputs with the offsets it allows for partitions still owned
+        (a rebalance while it ran may have moved some elsewhere)."""
+        # Positions of parked partitions are kept (they may come back in the new
+        # assignment and resume there); only partitions surely still ours are committed.
+        owned = self.assignment.owned
+        self.consumer.positions.update({tp: o for tp, o in batch.positions.items() if tp in owned})
+        committing = self.assignment.committing
+        offsets = {tp: o for tp, o in batch.committable.items()
+                   if tp in committing and self.committed.get(tp) != o}
+        if not batch.outputs and not offsets:
+            return  # an idle batch commits nothing
+        if batch.taught:
+            self.save_state()
+        self._commit(batch, offsets)
+        self.committed.update(offsets)
+        self.pipeline.committed(offsets)
+        self.metrics.commits.inc()
+
+    def _commit(self, batch: Batch, offsets: dict[TP, int]) -> None:
+        delay, stop_at = 0.5, None
+        while True:
+            try:
+                self.producer.commit(batch.outputs, offsets, self.consumer.group_metadata(),
+                                     waiting=lambda: self.health.commit_failed("the transaction waits for the broker"))
+                self.health.committed()
+                return
+            except GroupMovedOn as exc:
+                # An outage or a slow batch let the group rebalance. When this member gets its
+                # partitions back (static membership: the usual case), the aborted batch is
+                # committed again under the new generation; otherwise its records are another
+                # member's now, and this process restarts from the committed offsets.
+                assigned = self.consumer.rejoin(self.rejoin_timeout_s)
+                if assigned is None or not set(offsets) <= assigned:
+                    raise InfrastructureError(f"{exc} and its partitions went elsewhere; restarting from the "
+                                              "committed offsets", retriable=False) from exc
+                log.info("the group rebalanced and gave this instance its partitions back: committing the batch "
+                         "again")
+            except InfrastructureError as exc:
+                if not exc.retriable:
+                    raise
+                self.health.commit_failed(str(exc))
+                if self.stopping.is_set():
+                    stop_at = stop_at or time.monotonic() + STOP_GRACE_S
+                    if time.monotonic() > stop_at:
+                        raise InfrastructureError("stopping with a batch not committed (it is read again at the "
+                                                  "next start)", retriable=False) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)

@@ -1,0 +1,286 @@
+"""A batch of records in, the outputs to send and the offsets safe to commit out.
+
+::
+
+    records ─▶ measuring (thread or process): decode → verify → contract → metrics → detector
+            ─▶ this module, in its own thread: exporter, join with outcomes, outputs
+
+:meth:`Pipeline.process` is the one entry point: it hands a batch's trace records to the
+measuring worker at once and returns a future of the :class:`Batch`, accounted for in
+the pipeline's own thread (so the caller can poll the next batch meanwhile). Batches are
+accounted for in the order they were given. Nothing here knows Kafka: the service sends
+the outputs, then commits what the batch allows; the demo feeds the same pipeline
+in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from monitor.core.detect import Anomaly
+from monitor.core.incidents import Change, IncidentTracker
+from monitor.core.join import JoinBuffer, Joined
+from monitor.errors import RejectReason
+from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
+from monitor.measuring.workers import Measuring, results
+from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
+from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
+from monitor.protocol.records import Output, Record, Source
+from monitor.protocol.schema import TaskOutcome
+from monitor.protocol.topics import Topics
+from monitor.service.exporter import LayerSeries, MonitorMetrics
+
+__all__ = ["Batch", "Pipeline"]
+
+log = logging.getLogger(__name__)
+TP = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one batch of records leaves to do."""
+
+    outputs: list[Output]
+    positions: dict[TP, int]  #: next offset to read of every partition, after this batch
+    committable: dict[TP, int]  #: safe to commit with the outputs
+    taught: bool = False  #: a trace of the batch taught a reference (save the state before committing)
+
+    @staticmethod
+    def merged(batches: list[Batch]) -> Batch:
+        """Consecutive batches as one (each carries the offsets of every batch before it,
+        so the last one's positions and committable offsets are theirs)."""
+        if len(batches) == 1:
+            return batches[0]
+        return Batch([o for b in batches for o in b.outputs], batches[-1].positions, batches[-1].committable,
+                     any(b.taught for b in batches))
+
+
+@dataclass
+class _Waiting:
+    """What a measured trace leaves in the join buffer (never its weights)."""
+
+    trace: dict[str, Any]
+    series: LayerSeries
+    anomalies: list[Anomaly] = field(default_factory=list)
+    evidence: dict[str, Any] | None = None  #: the anomalous trace beside its reference (anomaly records carry it)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        measuring: Measuring,
+        *,
+        metrics: MonitorMetrics,
+        topics: Topics | None = None,
+        join_ttl: float = 30.0,
+        join_max_entries: int = 200_000,
+        incident_quiet: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self.measuring = measuring
+        self.metrics = metrics
+        self.topics = topics or Topics()
+        self.join: JoinBuffer[_Waiting] = JoinBuffer(join_ttl, join_max_entries)
+        self.incidents = IncidentTracker(incident_quiet)
+        self._emitted: set[Source] = set()
+        self._emitted_lock = threading.Lock()
+        #: the join's watermark: the newest event time read on each stream, and when
+        self._newest = {"trace": -math.inf, "outcome": -math.inf}
+        self._read_at = {"trace": -math.inf, "outcome": -math.inf}
+        #: next offset to read of each partition, after the batches accounted for so far
+        self._progress: dict[TP, int] = {}
+        self._clock, self._wall = clock, wall_clock
+        self._evicted = dict(self.join.evictions)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
+
+    def process(self, records: list[Record]) -> Future[Batch]:
+        """Measure and account for a batch; an empty batch only lets traces whose outcome
+        did not come within the TTL leave with ``missing``."""
+        measuring = self.measuring.submit([r for r in records if r.topic == self.topics.traces])
+        return self._worker.submit(self._account, records, measuring)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # --- the pipeline's own thread (or, for the methods below, while it is idle) --------
+
+    def _account(self, records: list[Record], measuring: list[Future[list[Result]]]) -> Batch:
+        measured = results(measuring)
+        outputs = []
+        taught = False
+        for record in records:
+            if record.topic == self.topics.traces:
+                result = next(measured)
+                taught |= isinstance(result, Measured) and result.verdict.learning
+                outputs += self._trace(record, result)
+            else:
+                outputs += self._outcome(record)
+            self._progress[(record.topic, record.partition)] = record.offset + 1
+        outputs += self._emit(self.join.expire(self._watermark()))
+        outputs += self._incident_records(self.incidents.expire(self._clock()), None)
+        return Batch(outputs, dict(self._progress), self._committable(), taught)
+
+    def _event_time(self, record: Record, stream: str) -> float:
+        """The record's time (never later than now: a producer's clock may run ahead),
+        and the watermark's bookkeeping."""
+        at = min(record.timestamp, self._wall()) if record.timestamp > 0 else self._wall()
+        self._newest[stream] = max(self._newest[stream], at)
+        self._read_at[stream] = self._clock()
+        return at
+
+    def _watermark(self) -> float:
+        """The join's clock: the older of the newest trace and the newest outcome read, so
+        a stream read ahead of the other (small outcomes racing large traces through a
+        backlog) expires nothing; a stream quiet for a TTL no longer holds it back, and
+        when both are, everything waiting may go."""
+        now = self._clock()
+        active = [self._newest[s] for s in self._newest if now - self._read_at[s] < self.join.ttl]
+        return min(active) if active else math.inf
+
+    def _trace(self, record: Record, result: Result) -> list[Output]:
+        self.metrics.consumed.inc()
+        if isinstance(result, Rejected):
+            return self._reject(record, result.reason, result.detail, result.header)
+        if isinstance(result, Duplicate):
+            self.metrics.duplicates.inc()
+            return []
+        return self._measured(record, result)
+
+    def _measured(self, record: Record, result: Measured) -> list[Output]:
+        ident = result.identity
+        series = self.metrics.layer(ident["model_id"], ident["model_revision"], ident["layer"])
+        series.observe_trace(result.heads, result.entropy, result.concentration, result.sink_share,
+                             result.diversity, result.effective_heads)
+        series.observe_verdict(result.verdict)
+        if result.verdict.evicted:
+            self.metrics.references_evicted.inc(result.verdict.evicted)
+        for anomaly in result.anomalies:
+            series.observe_anomaly(anomaly.kind)
+        self.metrics.processing.observe(result.seconds)
+        self.metrics.trace_processed(self._wall())
+        outputs = []
+        evidence = None
+        if result.anomalies:
+            now = self._wall()
+            evidence = evidence_fields(result.verdict.evidence)
+            records = [anomaly_record(ident, anomaly, None, now, evidence) for anomaly in result.anomalies]
+            changes = self.incidents.observe(ident["model_id"], ident["model_revision"], ident["layer"],
+                                             result.anomalies, records, self._clock(), now)
+            outputs += self._incident_records(changes, record)
+        waiting = _Waiting(ident, series, result.anomalies, evidence)
+        at = self._event_time(record, "trace")
+        joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, at)
+        return outputs + self._emit(joined)
+
+    def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
+        """Incident records (opened, closed) for the anomalies topic, and the gauges."""
+        out = []
+        for change in changes:
+            model, revision, layer, family = change.incident.key
+            series = self.metrics.layer(model, revision, layer)
+            series.incident_open[family].set(1 if change.what == "opened" else 0)
+            if change.what == "opened":
+                series.incidents[family].inc()
+                log.warning("incident opened: %s", change.incident.id)
+            else:
+                log.info("incident closed: %s (%d anomalies)", change.incident.id, change.incident.anomalies)
+            doc = incident_record(change.incident.summary(), change.what, self._wall())
+            source = (self.topics.traces, record.partition, record.offset) if record is not None else ("", -1, -1)
+            out.append(Output(self.topics.anomalies, change.incident.id.encode(),
+                              json.dumps(doc, sort_keys=True).encode(), source))
+        return out
+
+    def _outcome(self, record: Record) -> list[Output]:
+        self.metrics.outcomes_consumed.inc()
+        try:
+            outcome = TaskOutcome.model_validate_json(bytes(record.value or b""))
+        except ValidationError as exc:
+            self.metrics.outcomes_rejected.labels(RejectReason.MALFORMED.value).inc()
+            detail = f"outcome: {exc.errors()[0]['msg']}"
+            return self._dead_letter(record, RejectReason.MALFORMED, detail, None)
+        joined = self.join.add_outcome(outcome.request_id, outcome.outcome, record.partition, record.offset,
+                                       self._event_time(record, "outcome"))
+        return self._emit(joined)
+
+    def _reject(self, record: Record, reason: RejectReason, detail: str, header: Any) -> list[Output]:
+        self.metrics.rejected.labels(reason.value).inc()
+        log.warning("rejected %s/%d@%d: %s", record.topic, record.partition, record.offset, reason.value)
+        return self._dead_letter(record, reason, detail, header)
+
+    def _dead_letter(self, record: Record, reason: RejectReason, detail: str, header: Any) -> list[Output]:
+        source = (record.topic, record.partition, record.offset)
+        with self._emitted_lock:
+            if source in self._emitted:
+                return []
+        value = None if record.value is None else bytes(record.value)
+        doc = dead_letter(reason, detail, topic=record.topic, partition=record.partition, offset=record.offset,
+                          record=value, key=record.key, header=header)
+        return [Output(self.topics.dead_letter, record.key, encode_dead_letter(doc), source)]
+
+    def _emit(self, joined: Iterable[Joined[_Waiting]]) -> list[Output]:
+        out = []
+        for item in joined:
+            w = item.item
+            w.series.observe_outcome(item.outcome, (a.kind for a in w.anomalies))
+            source = (self.topics.traces, item.partition, item.offset)
+            with self._emitted_lock:
+                if source in self._emitted:
+                    continue
+            for anomaly in w.anomalies:
+                doc = anomaly_record(w.trace, anomaly, item.outcome, self._wall(), w.evidence,
+                                     w.series.outcome_counts)
+                out.append(Output(self.topics.anomalies, w.trace["request_id"].encode(),
+                                  json.dumps(doc, sort_keys=True).encode(), source))
+        self._sync_join_gauges()
+        return out
+
+    def _sync_join_gauges(self) -> None:
+        self.metrics.join_entries.set(len(self.join))
+        for cause, count in self.join.evictions.items():
+            if count > self._evicted[cause]:
+                self.metrics.join_evictions.labels(cause).inc(count - self._evicted[cause])
+                self._evicted[cause] = count
+
+    def _committable(self) -> dict[TP, int]:
+        """Offsets safe to commit: the next offset to read, held back to the oldest
+        record still waiting in the join buffer (so a crash loses no wait)."""
+        traces, outcomes = self.join.oldest_offsets()
+        safe = {}
+        for (topic, partition), position in self._progress.items():
+            waiting = (traces if topic == self.topics.traces else outcomes).get(partition)
+            safe[(topic, partition)] = min(position, waiting) if waiting is not None else position
+        return safe
+
+    def reassign(self, positions: dict[TP, int], lost: Iterable[int], emitted: set[Source]) -> None:
+        """After a rebalance, with no batch in flight: ``positions`` are where the
+        assigned partitions resume; waiting state of the trace partitions ``lost`` to
+        other instances is dropped, and those traces leave the measurer's
+        de-duplication window (should the partitions come back, they are re-read from
+        the last commit and must be processed again); ``emitted`` are sources whose
+        outputs are already written (found by reading the output topics back)."""
+        self._progress = dict(positions)
+        dropped = self.join.drop_partitions(lost)
+        if dropped:
+            log.info("dropped %d waiting traces of revoked partitions", len(dropped))
+        self._sync_join_gauges()
+        self.measuring.forget([waiting.trace["trace_id"] for waiting in dropped])
+        with self._emitted_lock:
+            self._emitted |= emitted
+
+    def committed(self, offsets: dict[TP, int]) -> None:
+        """Offsets committed: outputs of records below them are never needed again."""
+        if not offsets:
+            return
+        with self._emitted_lock:
+            self._emitted = {s for s in self._emitted if s[2] >= offsets.get((s[0], s[1]), -1)}

@@ -1,0 +1,143 @@
+"""The pipeline on plain records (no Kafka): commit bounds, failures that must not stall."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import monitor.measuring.measurer as measure_module
+from monitor.core.detect import DetectorConfig
+from monitor.measuring.measurer import MeasurerSpec
+from monitor.measuring.workers import MeasuringThread
+from monitor.protocol.codec import Limits
+from monitor.protocol.model_contract import ContractTable
+from monitor.protocol.records import Output, Record
+from monitor.protocol.topics import Topics
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.pipeline import Pipeline
+from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
+
+TRACES, OUTCOMES = Topics().traces, Topics().outcomes
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def make_pipeline():
+    made = []
+
+    def make(clock=None):
+        contracts = ContractTable()
+        contracts.add(CONTRACT)
+        measuring = MeasuringThread(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000))
+        measuring.sync_contracts(contracts)
+        registry = CollectorRegistry()
+        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock())
+        made.append((pipe, measuring))
+        return pipe, registry
+
+    yield make
+    for pipe, measuring in made:
+        pipe.close()
+        measuring.close()
+
+
+def run(pipe: Pipeline, *records: Record) -> list[Output]:
+    return pipe.process(list(records)).result().outputs
+
+
+def trace(offset, partition=0, seed=None):
+    return Record(TRACES, partition, offset, b"k", make_record(seed if seed is not None else offset))
+
+
+def test_commits_are_held_back_to_the_oldest_waiting_trace(make_pipeline):
+    clock = Clock()
+    pipe, _ = make_pipeline(clock)
+    outcomes = [Record(OUTCOMES, 0, 4, b"r", b'{"request_id": "no-such-request", "outcome": "success"}')]
+    batch = pipe.process([trace(10), trace(11), trace(12), *outcomes]).result()
+    assert batch.positions == {(TRACES, 0): 13, (OUTCOMES, 0): 5}
+    assert batch.committable == {(TRACES, 0): 10, (OUTCOMES, 0): 4}
+    clock.now = 11  # past the TTL: the traces leave with outcome "missing", the outcome leaves unmatched
+    assert pipe.process([]).result().committable == {(TRACES, 0): 13, (OUTCOMES, 0): 5}
+
+
+def test_each_batch_carries_the_progress_of_every_batch_before_it(make_pipeline):
+    """With several batches in flight, a batch's positions and commits include what
+    earlier batches reached on partitions it has no records of; a snapshot taken when
+    it was polled would take those partitions back."""
+    pipe, _ = make_pipeline()
+    bad = b"{}"  # refused outcomes: nothing waits in the join buffer
+    first = pipe.process([Record("o", 0, 0, None, bad), Record("o", 0, 1, None, bad)])
+    second = pipe.process([Record("o", 1, 5, None, bad)])
+    first.result()
+    batch = second.result()
+    assert batch.positions == {("o", 0): 2, ("o", 1): 6}
+    assert batch.committable == {("o", 0): 2, ("o", 1): 6}
+
+
+def test_an_unexpected_failure_after_decoding_is_a_counted_reject_and_the_next_record_flows(monkeypatch,
+                                                                                          make_pipeline):
+    pipe, registry = make_pipeline()
+    real = measure_module.head_metrics
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FloatingPointError("simulated")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure_module, "head_metrics", flaky)
+    out = run(pipe, trace(0))
+    assert [json.loads(o.value)["reason"] for o in out] == ["malformed"]
+    assert json.loads(out[0].value)["verified_header"]["model_id"] == "test-model"
+    assert run(pipe, trace(1)) == []  # measured, waiting for its outcome
+    assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": "malformed"}) == 1
+    assert registry.get_sample_value("attention_traces_total",
+                                     {"model": "test-model", "revision": "rev-1", "layer": "0"}) == 1
+
+
+def test_malformed_outcomes_are_dead_lettered(make_pipeline):
+    pipe, registry = make_pipeline()
+    out = run(pipe, Record(OUTCOMES, 0, 3, b"r", b'{"request_id": "r", "outcome": "maybe"}'))
+    assert json.loads(out[0].value)["reason"] == "malformed"
+    assert registry.get_sample_value("attention_monitor_outcomes_rejected_total", {"reason": "malformed"}) == 1
+
+
+def test_a_redelivered_trace_is_skipped_by_trace_id(make_pipeline):
+    pipe, registry = make_pipeline()
+    record = trace(0)
+    run(pipe, record)
+    run(pipe, Record(record.topic, record.partition, 1, record.key, record.value))
+    assert registry.get_sample_value("attention_monitor_duplicates_total") == 1
+    assert registry.get_sample_value("attention_traces_total",
+                                     {"model": "test-model", "revision": "rev-1", "layer": "0"}) == 1
+
+
+def test_mass_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons(make_pipeline):
+    from monitor.protocol.codec import encode
+    from tests.factories import KEY_ID, SECRET, make_trace
+
+    pipe, registry = make_pipeline()
+    header, weights = make_trace(4)
+    leaky = weights.copy()
+    leaky[2, 0, -1] = 0.2  # row 0's causal mask hides the last key
+    heavy = weights.copy()
+    heavy[3, -1] *= 1.2
+    reasons = []
+    for offset, w in enumerate((leaky, heavy)):
+        out = run(pipe, Record(TRACES, 0, offset, b"k", encode(header.model_copy(
+            update={"trace_id": f"t{offset}"}), w, KEY_ID, SECRET)))
+        reasons.append(json.loads(out[0].value)["reason"])
+    assert reasons == ["masked_mass", "row_sum"]
+    assert registry.get_sample_value("attention_traces_total",
+                                     {"model": "test-model", "revision": "rev-1", "layer": "0"}) is None
+    for reason in ("masked_mass", "row_sum"):
+        assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": reason}) == 1
