@@ -5,14 +5,14 @@
 Starts a plaintext Kafka broker (devstack), fills a topic with signed traces, then
 measures on the same messages:
 
-- raw: a kafka-python consumer reading them, doing nothing else (records/s), first
-  with the library's and the C allocator's defaults, then with the settings the service
-  applies to itself (:mod:`monitor.measuring.tuning`, :mod:`monitor.broker.kafka_python`, its
-  fetch sizes); the second, faster one is the reference;
+- raw: a confluent-kafka consumer (the service's client) reading them, doing nothing
+  else (records/s), first with the library's and the C allocator's defaults, then with
+  the settings the service applies to itself (:mod:`monitor.measuring.tuning`, its fetch
+  sizes); the second, faster one is the reference;
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
-- service: ``python -m monitor run`` consuming them with ``--kafka-client`` (traces/s, from its first trace
+- service: ``python -m monitor run`` consuming them (traces/s, from its first trace
   to its last: from the first scrape, a second apart, that counts one to the time
   the service says it accounted for the last), with its memory (PSS) sampled
   every 0.2 s from its first trace to its last.
@@ -32,14 +32,11 @@ rate against the references measured just before it (a slow spell that holds thr
 reference and the run after it then counts against both alike, but one that slows only
 the reference flatters the run: read the two together).
 
-It also prints ceilings. One holds for any service that consumes with kafka-python, as
-the raw reference does: it adds the CPU the references themselves used per trace (the
+It also prints ceilings. One adds the CPU the references themselves used per trace (the
 raw consumer, the broker serving it, the core) to a signature check, which no service
-may skip, and divides the machine's cores by that sum. No such service runs faster; one
+may skip, and divides the machine's cores by that sum. No service runs faster; one
 within the CPU goal (1.3x that sum) runs at most 1/1.3 of it, so when that lies under
-the rate goal, this machine cannot meet both goals at once. (A consumer on a client
-that parses records outside the interpreter spends less than the raw reference, and
-is not bound by it: see docs/operations.md.)
+the rate goal, this machine cannot meet both goals at once.
 Another is each run's own: the cores divided by its CPU per trace, with the share of
 the cores the run kept busy (rate = that ceiling x the share). Each run's CPU is also
 split by process, each against the part of the references it stands for: the service
@@ -71,12 +68,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from confluent_kafka import Consumer
+from kafka import KafkaAdminClient, KafkaProducer
 from prometheus_client import CollectorRegistry
 
 from devstack.kafka import start_broker
 from devstack.process import ManagedProcess, free_port
-from monitor.broker.kafka_python import read_in_large_chunks
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import head_metrics
@@ -150,17 +147,22 @@ class Consumed:
     broker_cpu: float  #: CPU seconds per record in the broker
 
 
-def raw_consume(bootstrap: str, group: str, n: int, broker_pid: int, **fetch: int) -> Consumed:
-    """A kafka-python consumer reading ``n`` records and doing nothing else: its rate and
-    what it cost itself and the broker in CPU, from its first record to its last."""
-    consumer = KafkaConsumer("b-traces", bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
-                             enable_auto_commit=False, **fetch)
+def raw_consume(bootstrap: str, group: str, n: int, broker_pid: int, **config: int) -> Consumed:
+    """A confluent-kafka consumer reading ``n`` records and doing nothing else but take
+    each value (as the service does): its rate and what it cost itself (all its threads)
+    and the broker in CPU, from its first record to its last."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False, **config})
+    consumer.subscribe(["b-traces"])
     seen, start, cpu, broker = 0, 0.0, 0.0, 0.0
     while seen < n:
-        for batch in consumer.poll(timeout_ms=500).values():
-            if not seen:
-                start, cpu, broker = time.perf_counter(), time.process_time(), broker_seconds(broker_pid)
-            seen += len(batch)
+        first = consumer.poll(0.5)
+        if first is None:
+            continue
+        messages = [first, *consumer.consume(499, 0)]
+        if not seen:
+            start, cpu, broker = time.perf_counter(), time.process_time(), broker_seconds(broker_pid)
+        seen += sum(1 for m in messages if m.error() is None and m.value() is not None)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     broker = broker_seconds(broker_pid) - broker
     consumer.close()
@@ -346,7 +348,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
-           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_KAFKA_CLIENT": args.kafka_client}
+           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl)}
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -410,9 +412,6 @@ def main() -> None:
                              "trace has --keys keys")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
                         help="the measuring processes of the second service configuration (default: the cores)")
-    parser.add_argument("--kafka-client", choices=("confluent-kafka", "kafka-python"), default="confluent-kafka",
-                        help="the service's KAFKA_CLIENT (default confluent-kafka, the service's own default); the "
-                             "raw reference consumes with kafka-python either way")
     parser.add_argument("--join-ttl", type=float, default=2.0,
                         help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
                              "long: a short TTL lets the run reach its steady state; default 2)")
@@ -420,8 +419,7 @@ def main() -> None:
     contract, table, records = make_records(args.traces, args.keys, args.rows, args.vary_keys)
     size = sum(len(v) for _, v in records) / len(records)
     keys = f"{args.keys // 2}-{args.keys}" if args.vary_keys else f"{args.keys}"
-    print(f"{args.traces} traces of [16, {args.rows}, {keys}] float16, {size / 1024:.1f} KiB each on average; the "
-          f"service consumes with {args.kafka_client}")
+    print(f"{args.traces} traces of [16, {args.rows}, {keys}] float16, {size / 1024:.1f} KiB each on average")
 
     broker = start_broker("plaintext")
     try:
@@ -443,11 +441,10 @@ def main() -> None:
         raw_default = max(raw_consume(bootstrap, f"raw-default-{i}", args.traces, pid).rate for i in range(2))
         # what the service does at start; from here on in this process too
         reuse_freed_memory()
-        read_in_large_chunks(Settings.model_fields["socket_read_bytes"].default)
-        # and the service's fetch sizes: the library's 1 MiB a partition fetches one 513 KiB
-        # record at a time (half the rate)
+        # and the service's fetch sizes (monitor.broker.group)
         partition_bytes = Settings.model_fields["fetch_partition_bytes"].default
-        fetch = {"max_partition_fetch_bytes": partition_bytes, "fetch_max_bytes": 4 * partition_bytes}
+        fetch = {"max.partition.fetch.bytes": partition_bytes, "fetch.max.bytes": 4 * partition_bytes,
+                 "queued.max.messages.kbytes": 4 * partition_bytes // 1024, "fetch.queue.backoff.ms": 5}
         consumed = max((raw_consume(bootstrap, f"raw-{i}", args.traces, pid, **fetch) for i in range(2)),
                        key=lambda c: c.rate)
         raw = consumed.rate
@@ -500,9 +497,9 @@ def main() -> None:
         broker.stop()
 
     floor = min(raw, core)
-    print(f"raw kafka-python consume   {raw_default:10.0f} records/s with the library's defaults")
-    print(f"raw kafka-python consume   {raw:10.0f} records/s with the service's allocator, socket reads and "
-          "fetch sizes: the reference")
+    print(f"raw confluent-kafka consume {raw_default:9.0f} records/s with the library's defaults")
+    print(f"raw confluent-kafka consume {raw:9.0f} records/s with the service's allocator and fetch sizes: the "
+          "reference")
     print(f"core head_metrics only     {core_single:10.0f} traces/s one trace per call")
     print(f"core head_metrics only     {core_batched:10.0f} traces/s {per_call} traces per call, as the service")
     print(f"pipeline in-process        {in_process:10.0f} traces/s")
@@ -511,7 +508,7 @@ def main() -> None:
     print(f"references' CPU per trace: consuming {(consumed.consumer_cpu + consumed.broker_cpu) * 1e3:.2f} ms "
           f"(consumer {consumed.consumer_cpu * 1e3:.2f}, broker {consumed.broker_cpu * 1e3:.2f}) + verifying the "
           f"signature {verify * 1e3:.2f} ms + measuring {1e3 / core:.2f} ms = {least * 1e3:.2f} ms; on {cores} "
-          f"cores no service on kafka-python exceeds {cores / least:.0f} traces/s "
+          f"cores no service exceeds {cores / least:.0f} traces/s "
           f"({cores / least / floor:.0%} of min(raw, core)); "
           f"one within 1.3x that CPU, {cores / least / 1.3:.0f} traces/s ({cores / least / 1.3 / floor:.0%})")
     own = least + required.total

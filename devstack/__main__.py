@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 from monitor.protocol.topics import layout
 
                 specs = layout(partitions=args.partitions)
-                create_topics(broker.client_config(), specs, replication_factor=1)
+                create_topics(broker.connection(), specs, replication_factor=1)
                 print(f"  topics {', '.join(spec.name for spec in specs)}")
             print(f"  export ATTENTION_MONITOR_BOOTSTRAP_SERVERS={broker.bootstrap}")
             print(f"  log {broker.process.log_path}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from devstack.process import ManagedProcess, ServiceError, free_port
 from devstack.wait import wait_for
+from monitor.broker.connection import Connection
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
@@ -95,6 +96,13 @@ class KafkaBroker:
                 sasl_plain_password=password,
             )
         return config
+
+    def connection(self, user: str = ADMIN_USER, password: str = ADMIN_PASSWORD) -> Connection:
+        """The monitor's connection value for ``user`` (ignored for plaintext)."""
+        if self.profile == "scram":
+            return Connection(self.bootstrap, security_protocol="SASL_PLAINTEXT", sasl_mechanism=MECHANISM,
+                              sasl_username=user, sasl_password=password)
+        return Connection(self.bootstrap)
 
     def stop(self) -> int | None:
         code = self.process.stop()

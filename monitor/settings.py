@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from monitor.broker.connection import Connection
 from monitor.core.detect import DetectorConfig
 from monitor.errors import ConfigurationError
 from monitor.protocol.access import Keyring, ScopePolicy
@@ -53,10 +54,10 @@ class Settings(BaseSettings):
     heartbeat_interval_ms: int = Field(3_000, gt=0)
     delivery_timeout_ms: int = Field(120_000, gt=0, description="how long one output transaction may try to "
                                      "deliver before it is aborted and sent again")
-    kafka_client: Literal["confluent-kafka", "kafka-python"] = Field(
-        "confluent-kafka", description="the client that consumes traces: confluent-kafka (librdkafka) parses "
-        "records outside the interpreter, a third of kafka-python's CPU a record; the output producer, tables, "
-        "end offsets and admin verbs always use kafka-python")
+    ssl_cafile: Path | None = Field(None, description="CA bundle that signs the brokers' certificates (SSL, "
+                                    "SASL_SSL; default: the system's)")
+    ssl_certfile: Path | None = Field(None, description="client certificate, for brokers that require one (mTLS)")
+    ssl_keyfile: Path | None = Field(None, description="the client certificate's key")
 
     # Access
     keyring_file: Path | None = None
@@ -86,14 +87,10 @@ class Settings(BaseSettings):
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
     reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
                                                        "fault in fresh pages; resident memory stays at its peak")
-    socket_read_bytes: int = Field(1024 * 1024, ge=0, description="most bytes one read of a Kafka socket takes "
-                                   "(kafka-python reads 4 KiB at a time, each read waiting its turn for the "
-                                   "interpreter lock; see monitor.broker.kafka_python); 0: the library's own")
     measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, verify "
                                           "and measure beside the consumer (one also judges; with several, the "
-                                          "service's process judges in order; default: one per core with "
-                                          "confluent-kafka, one less than the cores with kafka-python, at least 1, "
-                                          "at most 8); 0: a thread of the service's own process")
+                                          "service's process judges in order; default: one per core, at most 8); "
+                                          "0: a thread of the service's own process")
 
     # Export
     metrics_address: str = "127.0.0.1"
@@ -129,6 +126,8 @@ class Settings(BaseSettings):
         if self.security_protocol.startswith("SASL") and not (
                 self.sasl_username and (self.sasl_password or self.sasl_password_file)):
             raise ValueError("SASL needs sasl_username and sasl_password (or sasl_password_file)")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
         return self
 
     # --- derived plain values -----------------------------------------------------
@@ -147,37 +146,23 @@ class Settings(BaseSettings):
         return f"{self.group_id}-{self.client_id}-{socket.gethostname()}".replace(os.sep, "_")
 
     def measuring_processes(self) -> int:
-        """MEASURE_PROCESSES, or what the machine's cores allow: one per core when the
-        consumer runs on librdkafka (its process needs a fraction of a core: 0.15-0.21 ms
-        a 129 KiB trace on the service bench, against 0.45-0.52 ms measuring); with
-        kafka-python one core stays with the consumer (and on a small machine, often the
-        broker)."""
+        """MEASURE_PROCESSES, or one per core (at most 8): the consumer's own process
+        needs a fraction of a core, librdkafka parsing records in its own threads."""
         if self.measure_processes is not None:
             return self.measure_processes
-        return max(1, min(8, self._cores_for_measuring()))
-
-    def _cores_for_measuring(self) -> int:
-        cores = os.cpu_count() or 2
-        return cores if self.kafka_client == "confluent-kafka" else cores - 1
+        return max(1, min(8, os.cpu_count() or 2))
 
     def measuring_warning(self) -> str | None:
         """Why MEASURE_PROCESSES, as set, may be slower here than its default; None when
-        it is not. (Measured on the service bench, 2 cores, 129 KiB traces.)"""
+        it is not."""
         processes, cores = self.measuring_processes(), os.cpu_count() or 1
         if processes == 0:
             return ("MEASURE_PROCESSES=0 measures in a thread of the service's process, taking turns with the "
-                    "consumer on one interpreter lock: on 2 cores it ran 23-33 % slower than one child process "
-                    "at about the same CPU a trace")
-        if processes <= max(1, self._cores_for_measuring()):
+                    "consumer on one interpreter lock: slower than one child process at about the same CPU a trace")
+        if processes <= max(1, cores):
             return None
-        if self.kafka_client == "kafka-python":
-            return (f"MEASURE_PROCESSES={processes} on {cores} cores leaves no core to the consumer: the processes "
-                    "take turns with it (on 2 cores, with KAFKA_CLIENT=kafka-python, two ran from 11 % slower to "
-                    "10 % faster than one, 2 % slower in the median of 12 bench runs, with up to 15 % more CPU a "
-                    "trace)")
         return (f"MEASURE_PROCESSES={processes} on {cores} cores: more measuring processes than cores take turns "
-                "on them, and each adds its own memory (on the service bench two processes took 40-57 MiB more "
-                "than one)")
+                "on them, and each adds its own memory")
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
@@ -205,14 +190,14 @@ class Settings(BaseSettings):
                               false_alarm_arl=self.false_alarm_arl, min_effect=self.min_effect, pins=pins,
                               max_references=self.max_references)
 
-    def kafka_config(self) -> dict[str, Any]:
-        """Connection keyword arguments for kafka-python clients."""
-        config: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers.split(","),
-                                  "security_protocol": self.security_protocol, "client_id": self.client_id}
-        if self.security_protocol.startswith("SASL"):
-            config.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                          sasl_plain_password=self._sasl_password())
-        return config
+    def kafka_connection(self) -> Connection:
+        """How every Kafka client of the monitor connects."""
+        def path(value: Path | None) -> str | None:
+            return None if value is None else str(value)
+
+        return Connection(self.bootstrap_servers, self.client_id, self.security_protocol, self.sasl_mechanism,
+                          self.sasl_username, self._sasl_password() if self.security_protocol.startswith("SASL")
+                          else None, path(self.ssl_cafile), path(self.ssl_certfile), path(self.ssl_keyfile))
 
     def _sasl_password(self) -> str:
         if self.sasl_password is not None:

@@ -13,18 +13,18 @@ Anything else is denied: the broker runs with ``allow.everyone.if.no.acl.found=f
 
 from __future__ import annotations
 
-from typing import Any
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
 
-from kafka import KafkaAdminClient
-from kafka.admin import ACL, ACLOperation, ACLPermissionType, ACLResourcePatternType, ResourcePattern, ResourceType
-from kafka.errors import KafkaError
-
-from monitor.broker.errors import infrastructure_error
+from monitor.broker.admin import admin_client
+from monitor.broker.connection import Connection
+from monitor.broker.errors import from_librdkafka
 from monitor.errors import InfrastructureError
 from monitor.protocol.topics import Topics
 
 ROLES = ("monitor", "model-server", "operator")
 READ, WRITE, DESCRIBE = "READ", "WRITE", "DESCRIBE"
+TIMEOUT_S = 30.0
 
 
 def grants(role: str, topics: Topics, group_id: str) -> list[tuple[ResourceType, str, bool, list[str]]]:
@@ -47,25 +47,27 @@ def grants(role: str, topics: Topics, group_id: str) -> list[tuple[ResourceType,
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
-def acls(principal: str, role: str, topics: Topics, group_id: str) -> list[ACL]:
-    return [ACL(principal, "*", ACLOperation[op], ACLPermissionType.ALLOW,
-                ResourcePattern(rtype, name, ACLResourcePatternType.PREFIXED if prefixed
-                                else ACLResourcePatternType.LITERAL))
+def acls(principal: str, role: str, topics: Topics, group_id: str) -> list[AclBinding]:
+    return [AclBinding(rtype, name, ResourcePatternType.PREFIXED if prefixed else ResourcePatternType.LITERAL,
+                       principal, "*", AclOperation[op], AclPermissionType.ALLOW)
             for rtype, name, prefixed, ops in grants(role, topics, group_id) for op in ops]
 
 
-def apply_acls(kafka_config: dict[str, Any], principal: str, role: str, topics: Topics, group_id: str) -> int:
+def apply_acls(connection: Connection, principal: str, role: str, topics: Topics, group_id: str) -> int:
     """Create ``role``'s ACLs for ``principal`` (``User:name``); returns how many."""
     wanted = acls(principal, role, topics, group_id)
-    admin = None
+    refused = []
+    admin = admin_client(connection)  # held until every answer is in: a dropped client cancels them
     try:
-        admin = KafkaAdminClient(**kafka_config)
-        result = admin.create_acls(wanted)
-    except KafkaError as exc:
-        raise infrastructure_error("creating ACLs failed", exc) from exc
-    finally:
-        if admin is not None:
-            admin.close()
-    if result["failed"]:
-        raise InfrastructureError(f"the broker refused ACLs for {principal}: {result['failed'][:3]}", retriable=False)
+        for binding, future in admin.create_acls(wanted, request_timeout=TIMEOUT_S).items():
+            try:
+                future.result(timeout=TIMEOUT_S + 5)
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                refused.append(f"{binding.restype} {binding.name} {binding.operation}: "
+                               f"{error.name() if isinstance(error, KafkaError) else exc}")
+    except KafkaException as exc:
+        raise from_librdkafka("creating ACLs failed", exc) from exc
+    if refused:
+        raise InfrastructureError(f"the broker refused ACLs for {principal}: {refused[:3]}", retriable=False)
     return len(wanted)

@@ -1,114 +1,263 @@
-"""The consumer group member on kafka-python (see :mod:`monitor.broker.member`).
+"""The consumer group member that reads traces and outcomes, on librdkafka
+(confluent-kafka).
 
-kafka-python 3.0 runs rebalance listeners on its IO thread, so the listener here blocks
-on nothing: it records what changed, and the service acts on it between polls. Offsets
-are committed with the outputs, in the output producer's transaction, using this
-member's :meth:`GroupConsumer.group_metadata`.
+librdkafka fetches in its own threads, outside the interpreter lock, and calls the
+rebalance callbacks from ``poll`` on the service's main thread, assigning (or
+unassigning) the partitions itself. The range assignor is eager and keeps a trace and
+its outcome in one instance (same partition number on both topics); ``group.instance.id``
+(static membership) when given. The member never commits by itself: offsets are
+committed in the output producer's transactions with :meth:`GroupMember.group_metadata`
+(KIP-447). Where each partition's processing has reached is the service's business
+(:mod:`monitor.service.assignment`), not the member's.
 
-Static membership (``group_instance_id``): a member that restarts within the session
-timeout gets its partitions back without a rebalance.
+Two librdkafka settings matter here. ``fetch.queue.backoff.ms``: while its local queue
+is full librdkafka waits this long before fetching again (1 s by default); the service
+drains the queue in bursts, as the measuring processes free room, so it is kept short.
+``queued.max.messages.kbytes`` bounds that queue to four fetches' worth, which keeps
+memory flat.
+
+A librdkafka consumer that meets a fatal error never fetches again. One met here: a
+static member whose session timed out in a broker outage rejoins under a new member id,
+and the broker then fences its old one (``FENCED_INSTANCE_ID``). The member then starts
+a new client with the same settings: its partitions are revoked and assigned again, as
+in any rebalance, and kept ones resume where this instance left off. A second fatal
+error within ``RENEW_WINDOW_S`` (another process with the same group instance id, each
+fencing the other) stops the service.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import KafkaError
+import confluent_kafka
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from kafka.structs import ConsumerGroupMetadata
 
-from monitor.broker.errors import infrastructure_error
-from monitor.broker.kafka_python import keep_finished_joins
-from monitor.broker.member import TP, Changes, Member
+from monitor.broker.connection import Connection
+from monitor.broker.errors import from_librdkafka
+from monitor.broker.librdkafka import client_error, client_log, group_metadata
+from monitor.broker.offsets import Offsets
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Record
 
 log = logging.getLogger(__name__)
+TP = tuple[str, int]
+#: consumer errors that stop the service: the principal lost its rights
+DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+                    KafkaError.CLUSTER_AUTHORIZATION_FAILED})
+#: how long to wait for a metadata or offsets answer
+ASK_TIMEOUT_S = 15.0
+#: a second fatal consumer error within this long stops the service instead of starting a new client
+RENEW_WINDOW_S = 300.0
 
 
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Hands assignment changes to :class:`Changes`; runs on kafka-python's IO thread."""
+class Changes:
+    """Assignment changes heard from the rebalance callbacks, taken by the service
+    between polls."""
 
-    def __init__(self, changes: Changes):
-        self._changes = changes
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.revoked: set[TP] = set()
+        self.assigned: set[TP] = set()
+        self.assignments = 0  #: assignments received so far (an empty one counts too)
 
-    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
-        self._changes.heard_revoked((tp.topic, tp.partition) for tp in revoked)
+    def heard_revoked(self, revoked: Iterable[TP]) -> None:
+        with self._lock:
+            self.revoked |= set(revoked)
 
-    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
-        self._changes.heard_assigned((tp.topic, tp.partition) for tp in assigned)
+    def heard_assigned(self, assigned: Iterable[TP]) -> None:
+        with self._lock:
+            self.assigned |= set(assigned)
+            self.assignments += 1
+
+    def take(self) -> tuple[set[TP], set[TP]]:
+        with self._lock:
+            revoked, assigned = self.revoked, self.assigned
+            self.revoked, self.assigned = set(), set()
+        return revoked, assigned
 
 
-class GroupConsumer(Member):
-    def __init__(self, kafka_config: dict[str, Any], group_id: str, topics: Sequence[str], *,
-                 max_records: int, max_partition_fetch_bytes: int, group_instance_id: str | None = None,
+class GroupMember:
+    def __init__(self, connection: Connection, group_id: str, topics: Sequence[str], *, max_records: int,
+                 max_partition_fetch_bytes: int, group_instance_id: str | None = None,
                  session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000):
-        super().__init__(kafka_config, topics)
-        keep_finished_joins()  # see monitor.broker.kafka_python
+        self.topics = list(topics)
+        self.changes = Changes()
+        self._stash: list[Record] = []  #: records fetched while rejoining, handed out by the next poll
+        self._max_records = max_records
+        self._renewed_at = -RENEW_WINDOW_S
+        self._held: set[TP] = set()  #: what the rebalance callbacks assigned and did not revoke
+        self._config = connection.librdkafka() | {
+            "group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+            "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": heartbeat_interval_ms,
+            "partition.assignment.strategy": "range",
+            "max.partition.fetch.bytes": max_partition_fetch_bytes, "fetch.max.bytes": 4 * max_partition_fetch_bytes,
+            "queued.max.messages.kbytes": max(1, 4 * max_partition_fetch_bytes // 1024),
+            "fetch.queue.backoff.ms": 5, "error_cb": client_error, "logger": client_log,
+        }
+        if group_instance_id is not None:
+            self._config["group.instance.id"] = group_instance_id
         try:
-            self._consumer = KafkaConsumer(
-                group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
-                group_instance_id=group_instance_id, session_timeout_ms=session_timeout_ms,
-                heartbeat_interval_ms=heartbeat_interval_ms,
-                # Range assigns partition i of every subscribed topic to the same member:
-                # a trace and its outcome (same key, same partition number) meet in one
-                # instance. (The sticky assignors do not co-partition.) Range is eager:
-                # every rebalance revokes everything, then assigns the full new set.
-                partition_assignment_strategy=(RangePartitionAssignor,),
-                # Small fetches keep memory flat; a record larger than these limits still
-                # arrives (the broker returns at least one record per fetch, KIP-74).
-                max_poll_records=max_records, max_partition_fetch_bytes=max_partition_fetch_bytes,
-                fetch_max_bytes=4 * max_partition_fetch_bytes, **kafka_config)
-        except KafkaError as exc:
-            self._end_offsets.close()
-            raise infrastructure_error("cannot reach Kafka", exc) from exc
+            self._offsets = Offsets(connection)
+            self._consumer = Consumer(self._config)
+        except KafkaException as exc:
+            raise from_librdkafka("cannot start the consumer", exc) from exc
+
+    # --- the group -------------------------------------------------------------------
 
     def check_topics(self, topics: Iterable[str]) -> None:
+        """Fail fast when a topic is missing or hidden by ACLs (a consumer without
+        DESCRIBE on a topic sees it as absent and would otherwise idle silently)."""
         for topic in topics:
             try:
-                parts = self._consumer.partitions_for_topic(topic)
-            except KafkaError as exc:
-                raise infrastructure_error(f"cannot describe topic {topic}", exc) from exc
-            if not parts:
+                found = self._consumer.list_topics(topic, timeout=ASK_TIMEOUT_S).topics.get(topic)
+            except KafkaException as exc:
+                raise from_librdkafka(f"cannot describe topic {topic}", exc) from exc
+            if found is None or found.error is not None or not found.partitions:
                 raise InfrastructureError(f"topic {topic} does not exist or this principal may not describe it",
                                           retriable=False)
 
     def subscribe(self) -> None:
-        self._consumer.subscribe(self.topics, listener=_Listener(self.changes))
-
-    def _fetch(self, timeout_ms: int) -> list[Record]:
-        try:
-            batches = self._consumer.poll(timeout_ms=timeout_ms)
-        except KafkaError as exc:
-            raise infrastructure_error("poll failed", exc) from exc
-        return [Record(r.topic, r.partition, r.offset, r.key, r.value, (r.timestamp or 0) / 1000)
-                for tp in sorted(batches, key=lambda t: (t.topic, t.partition)) for r in batches[tp]]
+        self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
+                                 on_lost=self._revoked)
 
     def assignment(self) -> set[TP]:
-        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+        return {(p.topic, p.partition) for p in self._consumer.assignment()}
+
+    @property
+    def member_id(self) -> str:
+        """This member's id in the group ("" before it joined)."""
+        return self._consumer.memberid() or ""
+
+    def group_metadata(self) -> ConsumerGroupMetadata:
+        """What a transaction needs to commit this member's offsets (KIP-447)."""
+        raw = self._consumer.consumer_group_metadata()
+        try:
+            return group_metadata(raw)
+        except ValueError as exc:
+            raise InfrastructureError(str(exc), retriable=False) from exc
+
+    def rejoin(self, timeout_s: float) -> set[TP] | None:
+        """After the group moved on (a commit refused for a stale generation): drive the
+        group protocol until this member has its new assignment, and return it (None on
+        timeout). Records fetched meanwhile wait for the next :meth:`poll`; the
+        assignment change stays in :attr:`changes` for the service to act on."""
+        seen = self.changes.assignments
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._stash += self._fetch(200)
+            if self.changes.assignments > seen:
+                return self.assignment()
+        return None
+
+    # --- records and offsets -----------------------------------------------------------
+
+    def poll(self, timeout_ms: int) -> list[Record]:
+        """The next records, in (topic, partition, offset) order."""
+        if self._stash:
+            records, self._stash = self._stash, []
+            return records
+        return self._fetch(timeout_ms)
 
     def seek(self, positions: dict[TP, int]) -> None:
+        """Resume partitions kept across a rebalance where this instance left off (an
+        eager rebalance would otherwise rewind them to the last commit)."""
         for (topic, partition), offset in positions.items():
             try:
-                self._consumer.seek(TopicPartition(topic, partition), offset)
-            except (KafkaError, AssertionError) as exc:
+                self._consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException as exc:
                 log.warning("cannot resume %s/%d at %d: %s", topic, partition, offset, exc)
 
-    def group_metadata(self) -> Any:
-        return self._consumer.group_metadata()
-
     def committed(self, partitions: Iterable[TP]) -> dict[TP, int]:
-        out = {}
-        for topic, partition in partitions:
-            try:
-                offset = self._consumer.committed(TopicPartition(topic, partition))
-            except KafkaError as exc:
-                raise infrastructure_error("cannot read committed offsets", exc) from exc
-            out[(topic, partition)] = offset or 0
-        return out
+        """The group's committed offsets (0 where none)."""
+        asked = [TopicPartition(topic, partition) for topic, partition in partitions]
+        if not asked:
+            return {}
+        try:
+            answered = self._consumer.committed(asked, timeout=ASK_TIMEOUT_S)
+        except KafkaException as exc:
+            raise from_librdkafka("cannot read committed offsets", exc) from exc
+        return {(p.topic, p.partition): 0 if p.offset == OFFSET_INVALID else p.offset for p in answered}
 
-    def _close_client(self) -> None:
-        self._consumer.close(autocommit=False)
+    def end_offsets(self, partitions: Iterable[TP], timeout_s: float = 5.0) -> dict[TP, int]:
+        """The partitions' end offsets, asked on a connection of their own (raises when
+        the broker cannot be asked)."""
+        return self._offsets.end(partitions, timeout_s)
+
+    def close(self) -> None:
+        """Leave the group (a static member stays in it until its session times out)
+        without committing anything."""
+        self._consumer.close()
+        self._offsets.close()
+
+    # --- inside ------------------------------------------------------------------------
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._held |= {(p.topic, p.partition) for p in partitions}
+        self.changes.heard_assigned((p.topic, p.partition) for p in partitions)
+
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._held -= {(p.topic, p.partition) for p in partitions}
+        self.changes.heard_revoked((p.topic, p.partition) for p in partitions)
+
+    def _fetch(self, timeout_ms: int) -> list[Record]:
+        # poll waits for the first message; consume then takes what is queued without
+        # waiting (consume alone waits for a full batch or the whole timeout)
+        try:
+            first = self._consumer.poll(timeout_ms / 1000)
+            messages = [] if first is None else [first, *self._consumer.consume(self._max_records - 1, 0)]
+        except KafkaException as exc:
+            raise from_librdkafka("poll failed", exc) from exc
+        records = [_record(m) for m in messages if not self._failed(m)]
+        records.sort(key=lambda r: (r.topic, r.partition))  # stable: offsets stay in order
+        return records
+
+    def _failed(self, message: Message) -> bool:
+        error = message.error()
+        if error is None:
+            return False
+        if error.code() in DENIED:
+            raise InfrastructureError(f"consuming {message.topic()} failed: {error.name()}: {error.str()}",
+                                      retriable=False)
+        if error.fatal() or error.code() == KafkaError._FATAL:
+            self._renew(error)
+        else:
+            log.warning("consumer: %s: %s (librdkafka retries by itself)", error.name(), error.str())
+        return True
+
+    def _renew(self, error: KafkaError) -> None:
+        """Replace a client that failed for good (see the module's docstring)."""
+        if time.monotonic() - self._renewed_at < RENEW_WINDOW_S:
+            raise InfrastructureError(f"the consumer failed for good twice within {RENEW_WINDOW_S:.0f} s "
+                                      f"(does another process use group instance id "
+                                      f"{self._config.get('group.instance.id')}?): {error.str()}", retriable=False)
+        self._renewed_at = time.monotonic()
+        log.warning("the consumer failed for good (%s): starting a new one; its partitions are revoked and assigned "
+                    "again", error.str())
+        # a failed client forgets its assignment without a callback: revoke what it was given
+        self.changes.heard_revoked(self._held)
+        self._held = set()
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError) as exc:
+            log.info("closing the failed consumer: %s", exc)
+        try:
+            self._consumer = Consumer(self._config)
+        except KafkaException as exc:
+            raise from_librdkafka("cannot start a new consumer", exc) from exc
+        self.subscribe()
+
+
+def _record(m: Message) -> Record:
+    _kind, stamp = m.timestamp()
+    return Record(m.topic() or "", m.partition() or 0, m.offset() or 0, m.key(), m.value(), max(stamp, 0) / 1000)
+
+
+def client_versions() -> dict[str, str]:
+    """confluent-kafka's version and its librdkafka's, for logs and the info metric."""
+    return {"version": str(confluent_kafka.__version__), "librdkafka": confluent_kafka.libversion()[0]}
+
+

@@ -1,20 +1,16 @@
-"""Settings, errors, logs and group metadata of the librdkafka consumer (confluent-kafka),
-from and for the rest of the service, which uses kafka-python.
+"""What every confluent-kafka client of the monitor shares: librdkafka's logs and
+errors routed to the monitor's log (repeats held back), and the consumer's group
+metadata in the form the output producer needs.
 
-The service consumes traces with librdkafka by default (``KAFKA_CLIENT``): kafka-python
-parses every fetched record in the interpreter, about 0.2 ms of CPU for a 129 KiB trace
-on the service bench, where librdkafka spends about 0.06 ms in its own threads, outside
-the interpreter lock. Everything else (the transactional output producer, the tables,
-end offsets, the admin verbs, the model servers' producer) stays on kafka-python.
-
-The output producer commits the consumer's offsets in its transactions with the
-consumer's group metadata (KIP-447): :func:`group_metadata` reads librdkafka's
-(``rd_kafka_consumer_group_metadata_write``: the magic ``CGMDv2:``, the generation as a
-native int32, then NUL-terminated group id and member id, a byte that is 1 when there
-is no group instance id, else 0 and the NUL-terminated instance id). A transactional
-producer on librdkafka was tried and dropped: after a broker outage in which the
-consumer's session expired, ``send_offsets_to_transaction`` never returned, its timeout
-ignored (librdkafka issues 5456 and 5511, open).
+The output producer (kafka-python's transactional producer; why, in
+``docs/delivery.md``) commits the consumer's offsets in its transactions with the
+consumer's group metadata (KIP-447). :func:`group_metadata` reads librdkafka's
+serialisation of it (``rd_kafka_consumer_group_metadata_write``: the magic ``CGMDv2:``,
+the generation as a native int32, then NUL-terminated group id and member id, a byte
+that is 1 when there is no group instance id, else 0 and the NUL-terminated instance
+id). That format is librdkafka's own, not an API: ``pyproject.toml`` pins
+confluent-kafka to the versions tested here, and a format it does not know stops the
+service at its first commit with a clear error instead of committing wrongly.
 """
 
 from __future__ import annotations
@@ -24,32 +20,12 @@ import re
 import sys
 import threading
 import time
-from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError
 from kafka.structs import ConsumerGroupMetadata
-
-from monitor.errors import InfrastructureError
 
 #: a message repeated within this long (the same but for its numbers) is counted, not logged
 REPEAT_S = 30.0
-
-#: kafka-python connection settings and their librdkafka names
-_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
-          "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
-          "client_id": "client.id"}
-
-
-def librdkafka_config(kafka_config: dict[str, Any]) -> dict[str, Any]:
-    """The connection settings of ``Settings.kafka_config()`` in librdkafka's words
-    (anything else there is a mistake: it raises ``KeyError``)."""
-    servers = kafka_config["bootstrap_servers"]
-    config: dict[str, Any] = {"bootstrap.servers": servers if isinstance(servers, str) else ",".join(servers)}
-    for name, value in kafka_config.items():
-        if name != "bootstrap_servers":
-            config[_NAMES[name]] = value
-    return config
-
 
 #: what librdkafka's group metadata starts with (its format version)
 METADATA_MAGIC = b"CGMDv2:"
@@ -73,15 +49,6 @@ def group_metadata(raw: bytes) -> ConsumerGroupMetadata:
     else:
         raise ValueError(f"librdkafka's group metadata has an unreadable group instance id: {raw!r}")
     return ConsumerGroupMetadata(group_id.decode(), generation, member_id.decode(), instance)
-
-
-def rd_infrastructure_error(action: str, exc: KafkaException) -> InfrastructureError:
-    """``exc`` from confluent-kafka, keeping its ``retriable`` flag."""
-    error = exc.args[0] if exc.args else None
-    if not isinstance(error, KafkaError):
-        return InfrastructureError(f"{action}: {exc}", retriable=False)
-    return InfrastructureError(f"{action}: {error.name()}: {error.str()}",
-                               retriable=bool(error.retriable()) and not error.fatal())
 
 
 class QuietRepeats(logging.Filter):

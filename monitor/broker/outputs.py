@@ -12,6 +12,10 @@ A transaction that fails (a broker outage longer than the delivery timeout, a co
 moving) is aborted and tried again with the same outputs and offsets, so nothing is lost
 and nothing is written twice; every failure is counted and logged. Only a fatal error
 (another producer fenced this one, or the group moved on) ends the attempt.
+
+This producer is kafka-python's, while everything that consumes is confluent-kafka's:
+why, and when that changes, is written down in ``docs/delivery.md`` ("The two Kafka
+clients").
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from kafka.errors import (
     UnknownMemberIdError,
 )
 
-from monitor.broker.errors import infrastructure_error
+from monitor.broker.connection import Connection
+from monitor.broker.errors import from_kafka_python
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Output
 
@@ -51,7 +56,7 @@ class GroupMovedOn(InfrastructureError):
 
 
 class OutputProducer:
-    def __init__(self, kafka_config: dict[str, Any], transactional_id: str, *, delivery_timeout_ms: int = 120_000,
+    def __init__(self, connection: Connection, transactional_id: str, *, delivery_timeout_ms: int = 120_000,
                  on_failure: Callable[[str], None] = lambda reason: None):
         """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
         ``stalled`` (still waiting for the broker after the delivery timeout),
@@ -67,10 +72,10 @@ class OutputProducer:
                 acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
                 retry_backoff_ms=20,
                 delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms // 2),
-                transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **kafka_config)
+                transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **connection.kafka_python())
             self._producer.init_transactions()
         except KafkaError as exc:
-            raise infrastructure_error("cannot start the transactional output producer", exc) from exc
+            raise from_kafka_python("cannot start the transactional output producer", exc) from exc
 
     def commit(self, outputs: Iterable[Output], offsets: dict[TP, int], group: Any,
                waiting: Callable[[], None] = lambda: None) -> None:
@@ -115,7 +120,7 @@ class OutputProducer:
                 future.get(timeout=0)  # delivered with the commit; raises if any was not
         except ProducerFencedError as exc:
             self._on_failure("fenced")
-            raise infrastructure_error("another monitor instance with the same transactional id took over", exc) \
+            raise from_kafka_python("another monitor instance with the same transactional id took over", exc) \
                 from exc
         except REASSIGNED as exc:
             self._abort("group_moved", type(exc).__name__)

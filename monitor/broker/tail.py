@@ -1,5 +1,9 @@
-"""Reading the end of topics back: for ``triage``, and so that a new partition owner
-skips outputs already written."""
+"""Reading the end of topics back: for ``triage`` and ``status``, and so that a new
+partition owner skips outputs already written.
+
+Only what committed transactions wrote is read (``read_committed``): an aborted batch's
+outputs were never written.
+"""
 
 from __future__ import annotations
 
@@ -9,51 +13,66 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from monitor.broker.errors import infrastructure_error
+from monitor.broker.connection import Connection
+from monitor.broker.errors import from_librdkafka
+from monitor.broker.offsets import Offsets
+from monitor.broker.tables import reader_config
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Source
 
 TP = tuple[str, int]
 
 
-def read_tail(kafka_config: dict[str, Any], topics: Iterable[str], tail: int,
+def read_tail(connection: Connection, topics: Iterable[str], tail: int,
               timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """The last ``tail`` records of every partition of ``topics``, JSON-decoded (records
-    that are not JSON objects are skipped)."""
+    """The committed records among the last ``tail`` offsets of every partition of
+    ``topics`` (transaction markers take offsets too), JSON-decoded (records that are
+    not JSON objects are skipped)."""
     names = list(topics)
     out: list[dict[str, Any]] = []
     consumer = None
     try:
-        # only what committed transactions wrote: an aborted batch's outputs were never written
-        consumer = KafkaConsumer(enable_auto_commit=False, group_id=None, isolation_level="read_committed",
-                                 **kafka_config)
-        tps = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t) or ())]
-        if not tps:
+        consumer = Consumer(reader_config(connection, **{"isolation.level": "read_committed",
+                                                         "enable.partition.eof": True}))
+        partitions = []
+        for topic in names:
+            found = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+            if found is not None and found.error is None:
+                partitions += [(topic, p) for p in sorted(found.partitions)]
+        if not partitions:
             return out
-        consumer.assign(tps)
-        begin, end = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
-        for tp in tps:
-            consumer.seek(tp, max(begin[tp], end[tp] - tail))
+        offsets = Offsets(connection)
+        end, begin = offsets.end(partitions, timeout_s, committed=True), offsets.beginning(partitions, timeout_s)
+        waiting = {tp for tp in partitions if end[tp] > begin[tp]}
+        consumer.assign([TopicPartition(t, p, max(begin[(t, p)], end[(t, p)] - tail)) for t, p in partitions])
         deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < end[tp] for tp in tps):
+        while waiting:
             if time.monotonic() > deadline:
                 raise InfrastructureError(f"timed out reading {names}", retriable=True)
-            for records in consumer.poll(timeout_ms=500).values():
-                for r in records:
-                    try:
-                        doc = json.loads(r.value or b"")
-                    except ValueError:
-                        continue
-                    if isinstance(doc, dict):
-                        out.append(doc)
-    except KafkaError as exc:
-        raise infrastructure_error(f"reading {names} failed", exc) from exc
+            for m in consumer.consume(500, 0.5):
+                tp = (m.topic() or "", m.partition() or 0)
+                error = m.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        waiting.discard(tp)
+                    elif error.fatal():
+                        raise from_librdkafka(f"reading {names} failed", error)
+                    continue
+                if (m.offset() or 0) + 1 >= end[tp]:
+                    waiting.discard(tp)
+                try:
+                    doc = json.loads(m.value() or b"")
+                except ValueError:
+                    continue
+                if isinstance(doc, dict):
+                    out.append(doc)
+    except KafkaException as exc:
+        raise from_librdkafka(f"reading {names} failed", exc) from exc
     finally:
         if consumer is not None:
-            consumer.close(autocommit=False)
+            consumer.close()
     return out
 
 
@@ -65,14 +84,14 @@ class Written:
     trace_ids: list[str]  #: trace ids of those partitions' outputs, oldest first
 
 
-def read_back(kafka_config: dict[str, Any], topics: Iterable[str], partitions: set[TP], since: dict[TP, int],
+def read_back(connection: Connection, topics: Iterable[str], partitions: set[TP], since: dict[TP, int],
               tail: int) -> Written:
-    """The last ``tail`` committed records of each output partition, for the trace
+    """The committed records among the last ``tail`` offsets of each output partition, for the trace
     ``partitions`` a new owner takes: the sources at or after ``since`` (not to be written
     again) and every trace id written for them (so a trace sent again is a duplicate)."""
     sources: set[Source] = set()
     trace_ids: list[str] = []
-    for doc in read_tail(kafka_config, topics, tail):
+    for doc in read_tail(connection, topics, tail):
         source = _source(doc)
         if not source or (source[0], source[1]) not in partitions:
             continue

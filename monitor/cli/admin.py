@@ -37,7 +37,7 @@ def topics_create(
     settings = load_settings()
     specs = layout(settings.topics(), partitions)
     try:
-        done = create_topics(settings.kafka_config(), specs, replication_factor, settings.startup_timeout_s)
+        done = create_topics(settings.kafka_connection(), specs, replication_factor, settings.startup_timeout_s)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
@@ -63,7 +63,7 @@ def acls_apply(
         raise typer.Exit(EXIT_USAGE)
     settings = load_settings()
     try:
-        count = apply_acls(settings.kafka_config(), principal, role, settings.topics(), settings.group_id)
+        count = apply_acls(settings.kafka_connection(), principal, role, settings.topics(), settings.group_id)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
@@ -127,7 +127,7 @@ def _decide(target: str, action: str, reference: str | None, by: str | None) -> 
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from exc
     try:
-        publish_decision(settings.kafka_config(), settings.references_topic, decision)
+        publish_decision(settings.kafka_connection(), settings.references_topic, decision)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
@@ -165,7 +165,7 @@ def reference_list() -> None:
 
     settings = load_settings()
     try:
-        table = read_decisions(settings.kafka_config(), settings.references_topic, settings.startup_timeout_s)
+        table = read_decisions(settings.kafka_connection(), settings.references_topic, settings.startup_timeout_s)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
@@ -202,7 +202,7 @@ def triage(
 
     settings = load_settings()
     try:
-        records = read_tail(settings.kafka_config(), [settings.anomalies_topic], last)
+        records = read_tail(settings.kafka_connection(), [settings.anomalies_topic], last)
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc

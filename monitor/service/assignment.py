@@ -9,6 +9,10 @@ Kept partitions resume where this instance left off. The poll that brought the
 rebalance may already hold records of them, read from wherever the consumer's position
 was reset to: those below the position reached are dropped (processed already), and the
 partition resumes after the last one kept, never before it.
+
+Where processing has reached on each owned partition (:attr:`Assignment.positions`) is
+the service's own record, kept here: the consumer's position runs ahead of it (records
+fetched, not yet processed), the group's commit behind it (held back for the join).
 """
 
 from __future__ import annotations
@@ -36,23 +40,38 @@ class Reassignment:
 class Assignment:
     owned: set[TP] = field(default_factory=set)
     parked: set[TP] = field(default_factory=set)
+    #: the next offset to process of each owned partition, after the batches completed so far
+    positions: dict[TP, int] = field(default_factory=dict)
 
     def revoke(self, revoked: set[TP]) -> None:
         self.parked |= revoked
+
+    def reached(self, positions: Mapping[TP, int]) -> None:
+        """A batch completed: these partitions' next offsets to process. Positions of
+        parked partitions are kept too (they may come back in the new assignment and
+        resume there); those of partitions no longer owned are not."""
+        self.positions.update({tp: o for tp, o in positions.items() if tp in self.owned})
+
+    def lag(self, end: Mapping[TP, int]) -> int:
+        """Records between where processing has reached and ``end``, over the owned
+        partitions given (one not reached yet counts from its end: nothing known)."""
+        return sum(max(0, o - self.positions.get(tp, o)) for tp, o in end.items())
 
     @property
     def committing(self) -> set[TP]:
         """Partitions surely still this instance's: only these are committed."""
         return self.owned - self.parked
 
-    def assign(self, assigned: set[TP], records: list[Record], reached: Mapping[TP, int]) -> Reassignment:
+    def assign(self, assigned: set[TP], records: list[Record]) -> Reassignment:
         """Complete a rebalance: ``assigned`` is the new set, ``records`` the poll that
-        brought it, ``reached`` the next offset this instance had reached per partition."""
+        brought it."""
         lost = self.parked - assigned
         kept = assigned & self.owned
         new = assigned - self.owned
         self.parked, self.owned = set(), set(assigned)
-        resume = {tp: reached[tp] for tp in kept if tp in reached}
+        for tp in lost | new:
+            self.positions.pop(tp, None)
+        resume = {tp: self.positions[tp] for tp in kept if tp in self.positions}
         still = [r for r in records if (r.topic, r.partition) in assigned
                  and r.offset >= resume.get((r.topic, r.partition), -1)]
         for r in still:

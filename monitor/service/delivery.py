@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from monitor.broker.member import Member
+from monitor.broker.group import GroupMember
 from monitor.broker.outputs import GroupMovedOn, OutputProducer
 from monitor.errors import InfrastructureError
 from monitor.service.assignment import Assignment
@@ -33,7 +33,7 @@ STOP_GRACE_S = 30.0
 
 
 class Delivery:
-    def __init__(self, producer: OutputProducer, consumer: Member, pipeline: Pipeline,
+    def __init__(self, producer: OutputProducer, consumer: GroupMember, pipeline: Pipeline,
                  assignment: Assignment, metrics: MonitorMetrics, health: Health, stopping: threading.Event,
                  save_state: Callable[[], None]):
         self.producer, self.consumer, self.pipeline = producer, consumer, pipeline
@@ -46,10 +46,8 @@ class Delivery:
     def complete(self, batch: Batch) -> None:
         """Commit a batch's outputs with the offsets it allows for partitions still owned
         (a rebalance while it ran may have moved some elsewhere)."""
-        # Positions of parked partitions are kept (they may come back in the new
-        # assignment and resume there); only partitions surely still ours are committed.
-        owned = self.assignment.owned
-        self.consumer.positions.update({tp: o for tp, o in batch.positions.items() if tp in owned})
+        # only partitions surely still ours are committed
+        self.assignment.reached(batch.positions)
         committing = self.assignment.committing
         offsets = {tp: o for tp, o in batch.committable.items()
                    if tp in committing and self.committed.get(tp) != o}

@@ -159,8 +159,8 @@ class MonitorMetrics:
         self._layers: dict[tuple[tuple[str, str], int | str], LayerSeries] = {}
         self.measuring_processes = Gauge(f"{s}measuring_processes", "Child processes measuring traces (0: a thread "
                                          "of the service's own process).", registry=r)
-        self.kafka_client = Info(f"{s}kafka_client", "The client consuming traces (KAFKA_CLIENT) and its "
-                                 "version.", registry=r)
+        self.kafka_client = Info(f"{s}kafka_client", "The client consuming traces (confluent-kafka) and "
+                                 "its versions.", registry=r)
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):

@@ -34,9 +34,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from monitor.broker import choice as broker_client
-from monitor.broker.kafka_python import read_in_large_chunks
-from monitor.broker.member import Member
+from monitor.broker.connection import Connection
+from monitor.broker.group import GroupMember, client_versions
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back
@@ -62,9 +61,8 @@ log = logging.getLogger(__name__)
 RETRIES = 5
 #: how often the broker is asked for the trace partitions' end offsets (lag and liveness)
 LAG_INTERVAL_S = 2.0
-#: how often the contracts and references topics are read for news (each read is a round
-#: trip through kafka-python's network thread, ~1 ms; a trace naming a contract not known
-#: yet makes the service read the contracts topic to its end at once)
+#: how often the contracts and references topics are read for news (a trace naming a
+#: contract not known yet makes the service read the contracts topic to its end at once)
 TABLES_INTERVAL_S = 0.25
 T = TypeVar("T")
 
@@ -97,7 +95,7 @@ class Service:
         from monitor.broker.tail import read_tail
         from monitor.triage.site import respond
 
-        records = read_tail(self.settings.kafka_config(), [self.topics.anomalies], self.settings.triage_records,
+        records = read_tail(self.settings.kafka_connection(), [self.topics.anomalies], self.settings.triage_records,
                             timeout_s=15.0)
         return respond(records, path, query)
 
@@ -111,7 +109,7 @@ class Service:
             pages=self.triage_page if s.triage_records else None,
         ).start()
         log.info("serving %s/metrics", server.url)
-        kafka = s.kafka_config()
+        kafka = s.kafka_connection()
         consumer = producer = None
         readers: list[TableReader] = []
         measuring: MeasuringThread | MeasuringProcess | None = None
@@ -119,8 +117,6 @@ class Service:
         try:
             if s.reuse_freed_memory:
                 reuse_freed_memory()
-            if read_in_large_chunks(s.socket_read_bytes):
-                log.info("reading Kafka sockets up to %d KiB at a time", s.socket_read_bytes // 1024)
             detector = s.detector()
             keyring = s.keyring()
             self.contracts = ContractTable(contract_verifier(keyring), s.max_contracts)
@@ -172,18 +168,17 @@ class Service:
                     client.close()
             server.stop()
 
-    def _clients(self, kafka: dict[str, Any]) -> tuple[OutputProducer, Member]:
-        """The output producer and the group member (on the client KAFKA_CLIENT names)."""
+    def _clients(self, kafka: Connection) -> tuple[OutputProducer, GroupMember]:
+        """The output producer and the group member."""
         s = self.settings
-        versions = broker_client.versions(s.kafka_client)
-        self.metrics.kafka_client.info({"client": s.kafka_client, **versions})
-        log.info("consuming traces with %s %s (KAFKA_CLIENT)", s.kafka_client,
-                 " ".join(f"{k} {v}" for k, v in versions.items()))
-        member = broker_client.group_member(s.kafka_client)
+        versions = client_versions()
+        self.metrics.kafka_client.info({"client": "confluent-kafka", **versions})
+        log.info("consuming traces with confluent-kafka %s (librdkafka %s)", versions["version"],
+                 versions["librdkafka"])
         producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
                                   on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
         try:
-            consumer = member(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
+            consumer = GroupMember(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
                               max_records=s.batch_max_records, max_partition_fetch_bytes=s.fetch_partition_bytes,
                               group_instance_id=f"{s.client_id}-{socket.gethostname()}"
                               if s.static_membership else None,
@@ -193,7 +188,7 @@ class Service:
             raise
         return producer, consumer
 
-    def _loop(self, consumer: Member, readers: list[TableReader], delivery: Delivery,
+    def _loop(self, consumer: GroupMember, readers: list[TableReader], delivery: Delivery,
               measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
         """Poll a batch and hand it to the pipeline at once; commit batches in order as
         they complete. Up to ``batches_in_flight`` polled batches are measured or
@@ -272,26 +267,26 @@ class Service:
                 time.sleep(delay)
                 delay = min(2 * delay, 10.0)
 
-    def _check_broker(self, consumer: Member) -> None:
+    def _check_broker(self, consumer: GroupMember) -> None:
         """Ask the broker for the trace partitions' end offsets: the lag, and whether it answers."""
         try:
-            self.metrics.lag.set(consumer.lag(self.topics.traces))
+            owned = [tp for tp in self.assignment.owned if tp[0] == self.topics.traces]
+            self.metrics.lag.set(self.assignment.lag(consumer.end_offsets(owned)))
             self.health.broker_answered()
         except InfrastructureError as exc:
             self.health.broker_silent(str(exc))
 
-    def _reassign(self, consumer: Member, pipeline: Pipeline,
+    def _reassign(self, consumer: GroupMember, pipeline: Pipeline,
                   measuring: MeasuringThread | MeasuringProcess, assigned: set[tuple[str, int]],
                   records: list[Record]) -> list[Record]:
         """Act on a completed rebalance, with no batch in flight; returns the records of
         the poll that brought it still to process (see :mod:`monitor.service.assignment`)."""
-        change = self.assignment.assign(assigned, records, consumer.positions)
-        consumer.forget(change.lost)
+        change = self.assignment.assign(assigned, records)
         consumer.seek(change.resume)
         emitted: set[Source] = set()
         if change.new:
             committed = consumer.committed(change.new)
-            written = read_back(self.settings.kafka_config(), [self.topics.anomalies, self.topics.dead_letter],
+            written = read_back(self.settings.kafka_connection(), [self.topics.anomalies, self.topics.dead_letter],
                                 change.new, committed, self.settings.dedupe_window)
             emitted = written.sources
             measuring.remember(written.trace_ids)  # a trace sent again after a restart stays a duplicate
@@ -299,7 +294,7 @@ class Service:
                      len(emitted), len(written.trace_ids))
         if change.kept:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
-        pipeline.reassign({tp: o for tp, o in consumer.positions.items() if tp in assigned},
+        pipeline.reassign({tp: o for tp, o in self.assignment.positions.items() if tp in assigned},
                           {p for t, p in change.lost if t == self.topics.traces}, emitted)
         return change.records
 

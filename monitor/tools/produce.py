@@ -34,7 +34,8 @@ def produce_synthetic(settings: Settings, traffic: SyntheticTraffic, key_id: str
     rng = np.random.default_rng()
     sent = 0
     scope = Scope(tenant=traffic.tenant, data_class=traffic.data_class)
-    with TraceProducer(key_id=key_id, secret=secret, topics=settings.topics(), **settings.kafka_config()) as producer:
+    with TraceProducer(key_id=key_id, secret=secret, topics=settings.topics(),
+                       **settings.kafka_connection().kafka_python()) as producer:
         producer.publish_contract(contract).get(timeout=30)
         start = time.monotonic()
         for i in range(traffic.requests):

@@ -1,4 +1,4 @@
-"""The group member on librdkafka (KAFKA_CLIENT=confluent-kafka) against the real broker:
+"""The group member on librdkafka (confluent-kafka) against the real broker:
 its group metadata, read from librdkafka's, fences the output producer's commits
 (KIP-447): one for a generation the group has left is refused, and the rejoined member
 commits under its new one; a static member fenced by its own instance id starts a new
@@ -16,21 +16,34 @@ from kafka import KafkaConsumer
 from kafka.structs import MemberState
 
 from monitor.broker import librdkafka
-from monitor.broker.librdkafka import QuietRepeats, group_metadata, librdkafka_config
+from monitor.broker.connection import Connection
+from monitor.broker.group import GroupMember
+from monitor.broker.librdkafka import QuietRepeats, group_metadata
 from monitor.broker.outputs import GroupMovedOn, OutputProducer
-from monitor.broker.rd_group import RdGroupConsumer
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Output
 
 
-def test_connection_settings_in_librdkafka_words():
-    assert librdkafka_config({"bootstrap_servers": ["a:9092", "b:9092"], "security_protocol": "SASL_PLAINTEXT",
-                              "client_id": "m", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "u",
-                              "sasl_plain_password": "p"}) == {
-        "bootstrap.servers": "a:9092,b:9092", "security.protocol": "SASL_PLAINTEXT", "client.id": "m",
-        "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u", "sasl.password": "p"}
-    with pytest.raises(KeyError):  # a setting nobody translated is a mistake, not something to drop
-        librdkafka_config({"bootstrap_servers": "a:9092", "ssl_cafile": "/ca.pem"})
+def test_one_connection_value_in_each_clients_words():
+    sasl = Connection("a:9092, b:9092", "m", "SASL_SSL", "SCRAM-SHA-512", "u", "p", "/ca.pem")
+    assert sasl.librdkafka() == {
+        "bootstrap.servers": "a:9092,b:9092", "security.protocol": "SASL_SSL", "client.id": "m",
+        "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u", "sasl.password": "p", "ssl.ca.location": "/ca.pem"}
+    assert sasl.kafka_python() == {
+        "bootstrap_servers": ["a:9092", "b:9092"], "security_protocol": "SASL_SSL", "client_id": "m",
+        "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "u", "sasl_plain_password": "p",
+        "ssl_cafile": "/ca.pem"}
+    assert "'p'" not in repr(sasl)
+    plain = Connection("a:9092")
+    assert plain.librdkafka() == {"bootstrap.servers": "a:9092", "security.protocol": "PLAINTEXT",
+                                  "client.id": "attention-monitor"}
+    assert Connection("a:9092", ssl_cafile="/ca.pem").librdkafka().get("ssl.ca.location") is None  # TLS not asked for
+    with pytest.raises(ValueError, match="SASL username and password"):
+        Connection("a:9092", security_protocol="SASL_PLAINTEXT")
+    with pytest.raises(ValueError, match="names no broker"):
+        Connection(" , ")
+    with pytest.raises(ValueError, match="go together"):
+        Connection("a:9092", security_protocol="SSL", ssl_certfile="/c.pem")
 
 
 def test_group_metadata_read_from_librdkafkas_own():
@@ -62,7 +75,7 @@ def test_repeats_of_a_message_but_for_its_numbers_are_held_back_then_counted(mon
 
 
 def member(bootstrap, group, topic, instance=None):
-    return RdGroupConsumer({"bootstrap_servers": bootstrap}, group, [topic], max_records=10,
+    return GroupMember(Connection(bootstrap), group, [topic], max_records=10,
                            max_partition_fetch_bytes=1 << 20, session_timeout_ms=6_000, heartbeat_interval_ms=500,
                            group_instance_id=instance)
 
@@ -89,7 +102,7 @@ def test_a_commit_for_a_generation_the_group_left_is_refused_and_the_rejoined_me
     bootstrap = kafka_broker.bootstrap
     topic, out, group = make_topic("traces", partitions=2), make_topic("outputs"), unique_name("group")
     failures: list[str] = []
-    producer = OutputProducer({"bootstrap_servers": bootstrap}, unique_name("txn"), delivery_timeout_ms=10_000,
+    producer = OutputProducer(Connection(bootstrap), unique_name("txn"), delivery_timeout_ms=10_000,
                               on_failure=failures.append)
     a, b = member(bootstrap, group, topic), member(bootstrap, group, topic)
     stop = threading.Event()
@@ -100,7 +113,7 @@ def test_a_commit_for_a_generation_the_group_left_is_refused_and_the_rejoined_me
             assert time.monotonic() < deadline, "the first member never got both partitions"
             a.poll(200)
         stale = a.group_metadata()
-        assert stale[:4] == (group, stale.generation_id, a._consumer.memberid(), None)
+        assert stale[:4] == (group, stale.generation_id, a.member_id, None)
         assert stale.generation_id >= 1
         b.subscribe()  # the second member joins: a rebalance, driven by its polls here
         joining = threading.Thread(target=lambda: [b.poll(200) for _ in iter(stop.is_set, True)], daemon=True)

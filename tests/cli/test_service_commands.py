@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
@@ -71,15 +70,13 @@ def test_demo_command_finishes_and_exits_zero():
     assert "serving http://127.0.0.1:" in result.output and "Anomalies raised" in result.output
 
 
-@pytest.mark.parametrize(("client", "default"), [("confluent-kafka", 2), ("kafka-python", 1)])
-def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(monkeypatch, client, default):
+def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(monkeypatch):
+    default = 2
     monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
     monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": {"secret": "a-very-secret-value-123", '
                        '"tenants": ["team-a"]}}')
-    monkeypatch.setenv("ATTENTION_MONITOR_KAFKA_CLIENT", client)
     monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 2)
-    crowded = (f"MEASURE_PROCESSES={default + 1} on 2 cores leaves no core to the consumer"
-               if client == "kafka-python" else "MEASURE_PROCESSES=3 on 2 cores: more measuring processes than cores")
+    crowded = "MEASURE_PROCESSES=3 on 2 cores: more measuring processes than cores"
     expected = {None: None, "1": None, str(default): None, str(default + 1): crowded,
                 "0": "MEASURE_PROCESSES=0 measures in a thread of the service's process"}
     for processes, warning in expected.items():
@@ -97,4 +94,4 @@ def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(m
             assert f"warning: {warning}" in result.output, (processes, result.output)
     monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 8)  # one a core at most, and at most 8
     monkeypatch.delenv("ATTENTION_MONITOR_MEASURE_PROCESSES")
-    assert Settings().measuring_processes() == {"confluent-kafka": 8, "kafka-python": 7}[client]
+    assert Settings().measuring_processes() == 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sys
 import time
@@ -109,14 +110,21 @@ class Monitor:
     def wait_until(self, probe, *, timeout: float, what: str):
         """:func:`wait_for`, and on failure the monitor's own log lines and nonzero
         rejection counters in the message (what a failing run on CI needs)."""
-        try:
+        with self.explaining():
             return wait_for(probe, timeout=timeout, what=what)
+
+    @contextlib.contextmanager
+    def explaining(self, lines: int = 25):
+        """An assertion failing inside says what the monitor logged last (its own lines,
+        not the Kafka clients') and its nonzero rejection counters."""
+        try:
+            yield
         except AssertionError as exc:
-            lines = [line for line in self.process.log_path.read_text(errors="replace").splitlines()
-                     if " kafka." not in line][-25:]
+            logged = [line for line in self.process.log_path.read_text(errors="replace").splitlines()
+                      if " kafka." not in line and "librdkafka" not in line][-lines:]
             rejected = {k: v for k, v in self.metrics().items() if "rejected" in k and v} if self.process.alive() \
                 else "(monitor not running)"
-            raise AssertionError(f"{exc}\nrejected: {rejected}\nmonitor log:\n" + "\n".join(lines)) from exc
+            raise AssertionError(f"{exc}\nrejected: {rejected}\nmonitor log:\n" + "\n".join(logged)) from exc
 
     def value(self, name: str) -> float:
         try:
