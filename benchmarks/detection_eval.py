@@ -1,5 +1,5 @@
 """How well the detector's settings work on realistic traffic: the evidence behind the
-defaults (docs/operations.md, "Detection").
+defaults (docs/detection.md).
 
     python benchmarks/detection_eval.py [--seeds 5] [--healthy 1500] [--grid]
 
@@ -48,8 +48,7 @@ def observations(scenario: Scenario, seed: int, requests: int) -> list[Observati
         for header, weights in scenario.request(rng):
             m = head_metrics(weights, valid_keys(header))
             out.append(Observation(header.model_id, header.model_revision, header.layer, header.key_count,
-                                   header.heads, m.entropy, m.concentration, m.sink_share, m.similarity,
-                                   float(m.diversity)))
+                                   header.heads, m))
     return out
 
 

@@ -80,7 +80,7 @@ from monitor.core.metrics import head_metrics
 from monitor.measuring import batching
 from monitor.measuring.measurer import Measured, MeasurerSpec, Result, trace_identity
 from monitor.measuring.tuning import reuse_freed_memory
-from monitor.measuring.workers import CHUNK_RECORDS, MeasuringThread, chunks
+from monitor.measuring.workers import CHUNK_RECORDS, Measuring, chunks
 from monitor.protocol import wire
 from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits, Trace, decode, encode
@@ -218,8 +218,7 @@ def required_cpu(decoded: list[Trace], records: list[tuple[bytes, bytes]]) -> Re
     metrics = [head_metrics(t.weights, t.valid) for t in decoded]
     headers = [bytes(wire.unpack(v, len(v), len(v)).header) for _, v in records]
     observations = [Observation(t.header.model_id, t.header.model_revision, t.header.layer, t.header.key_count,
-                                t.header.heads, m.entropy, m.concentration, m.sink_share, m.similarity,
-                                float(m.diversity)) for t, m in zip(decoded, metrics, strict=True)]
+                                t.header.heads, m) for t, m in zip(decoded, metrics, strict=True)]
     placed = [Record("attention-traces", 0, i, k, None) for i, (k, _) in enumerate(records)]
     best = Required(float("inf"), float("inf"), float("inf"))
     for _ in range(2):
@@ -236,9 +235,7 @@ def required_cpu(decoded: list[Trace], records: list[tuple[bytes, bytes]]) -> Re
             anomalies += [detector.observe(o, ahead) for o, ahead in zip(part, detector.ahead(part), strict=True)]
         judged = (time.process_time() - start) / len(observations)
 
-        results = [Measured(trace_identity(t, r), tuple(t.header.heads), m.entropy.tolist(),
-                            m.concentration.tolist(), m.sink_share.tolist(), float(m.diversity),
-                            float(m.effective_heads), 0.0, a)
+        results = [Measured(trace_identity(t, r), tuple(t.header.heads), m, 0.0, a)
                    for t, r, m, a in zip(decoded, placed, metrics, anomalies, strict=True)]
         pipeline = Pipeline(Premeasured(results), metrics=MonitorMetrics(CollectorRegistry()))
         start = time.process_time()
@@ -403,7 +400,7 @@ def main() -> None:
                         help="signed traces in the topic, read by every reference and service run (default 4000; "
                              "a service run is timed from the first scrape that counts a trace, so with a few "
                              "thousand or fewer the traces in flight then, measured partly before it, skew its CPU "
-                             "per trace: the figures in docs/operations.md use 12000)")
+                             "per trace: the figures in docs/performance.md use 12000)")
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--vary-keys", action="store_true",
@@ -459,7 +456,7 @@ def main() -> None:
         core = max(core_single, core_batched)
         required = required_cpu(decoded, records)
 
-        measuring = MeasuringThread(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000))
+        measuring = Measuring(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000), processes=0)
         measuring.sync_contracts(table)
         registry = CollectorRegistry()
         pipeline = Pipeline(measuring, metrics=MonitorMetrics(registry))

@@ -72,7 +72,7 @@ class Settings(BaseSettings):
 
     # Detection and join
     reference_traces: int = Field(DetectorConfig.reference_traces, gt=1, description="traces of a revision, of "
-                                  "any lengths, its reference learns before it judges (docs/operations.md)")
+                                  "any lengths, its reference learns before it judges (docs/detection.md)")
     reference_pool: int = Field(DetectorConfig.pool, gt=1, description="traces of the nearest lengths a reference "
                                 "pools to judge one trace")
     false_alarm_arl: float = Field(DetectorConfig.false_alarm_arl, gt=1)

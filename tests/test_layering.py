@@ -29,6 +29,7 @@ RANKS: list[set[str]] = [
     {"protocol.codec"},
     {"broker", "measuring.measurer"},
     {"settings", "measuring.child"},
+    {"measuring.judge"},
     {"measuring.workers"},
     {"service.pipeline", "producer"},
     {"service.delivery"},

@@ -66,8 +66,8 @@ class OutputProducer:
         try:
             # retry_backoff_ms: right after a commit the coordinator answers the next
             # transaction's first request with CONCURRENT_TRANSACTIONS until its markers
-            # are written; kafka-python's default 100 ms backoff made every commit take
-            # 110–220 ms here, 20 ms (the Java client's backoff for that case) 23–38 ms
+            # are written; kafka-python's default backoff (100 ms) made every commit wait
+            # that long again, 20 ms is the Java client's backoff for that case
             self._producer = KafkaProducer(
                 acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
                 retry_backoff_ms=20,

@@ -31,9 +31,8 @@ _TINY = F32(np.finfo(np.float32).tiny)
 BLOCK_ELEMENTS = 1 << 18
 #: a row's Gram matrix goes through the general matrix product while heads² × keys
 #: stays under this and heads under ``GENERAL_PRODUCT_HEADS``; beyond, through the
-#: symmetric one. Measured with OpenBLAS on AMD Zen 4: the general product, copy
-#: included, takes half the time or less up to 16 heads × 3,072 keys, 24 × 1,536 and
-#: 32 × 512, and loses from 16 × 4,096, 24 × 2,048, 32 × 1,024 and at 36 heads or more.
+#: symmetric one: where the general product, copy included, measured faster
+#: (``docs/performance.md``, the metrics core).
 GENERAL_PRODUCT_MAX = 1 << 20
 GENERAL_PRODUCT_HEADS = 32
 
@@ -182,8 +181,8 @@ def reduce_block(
 def _as_mask(valid: NDArray[np.generic], dtype: type[np.generic]) -> NDArray[np.generic]:
     """``valid`` (``[t, H, r, K]``) as 0/1 of ``dtype`` when one ``[r, K]`` mask serves
     the whole block, as it does for a trace's heads: numpy casts a bool operand through
-    a buffer on every pass, and on a large trace that cost 0.1 ns an element (twice).
-    Otherwise the bool itself: a ``[t, 1, r, K]`` operand measured slower than it."""
+    a buffer on every pass. Otherwise the bool itself: a ``[t, 1, r, K]`` operand
+    measured slower than it."""
     if valid.ndim != 4 or valid.strides[1] != 0 or (valid.shape[0] > 1 and valid.strides[0] != 0):
         return valid
     return valid[:1, :1].astype(dtype)

@@ -59,6 +59,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from monitor.core.converging import named_heads
+from monitor.core.metrics import HeadMetrics
 from monitor.core.reference import LengthReference
 from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
 
@@ -91,18 +92,15 @@ class DetectorConfig:
 
 @dataclass(frozen=True)
 class Observation:
-    """One trace's metrics, as the detector sees them."""
+    """One trace as the detector sees it: whose layer, how many keys, its head ids in
+    order, and the metrics core's :class:`~monitor.core.metrics.HeadMetrics` of it."""
 
     model: str
     revision: str
     layer: int
     key_count: int
     heads: tuple[str, ...]
-    entropy: NDArray[np.float64]
-    concentration: NDArray[np.float64]
-    sink_share: NDArray[np.float64]
-    similarity: NDArray[np.float64]
-    diversity: float
+    metrics: HeadMetrics
 
 
 @dataclass(frozen=True)
@@ -237,7 +235,7 @@ class Detector:
         out: list[Ahead] = [Ahead(np.empty(0))] * len(observations)
         for members in by_heads.values():
             group = [observations[i] for i in members]
-            values = stream_values(group)
+            values = stream_values([obs.metrics for obs in group])
             judged: dict[int, LengthReference] = {}  #: place in the group -> the ready reference judging it
             for j, obs in enumerate(group):
                 ref = self.references.get((obs.model, self.judge_revision(obs.model, obs.revision), obs.layer))
@@ -268,7 +266,7 @@ class Detector:
                 ref = self.references[own_key] = LengthReference(values.size)
             if ref.traces < self.config.reference_traces:
                 ref.update(obs.key_count, values)
-                ref.update_matrix(obs.similarity)
+                ref.update_matrix(obs.metrics.similarity)
                 if ref.traces == self.config.reference_traces:
                     events.append(f"reference of {obs.model} {obs.revision} layer {obs.layer} ready "
                                   f"({ref.traces} traces)")
@@ -358,10 +356,11 @@ class Detector:
         if hit[: 1 + h].any():
             strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
             core = {i for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z}
-            heads = named_heads(obs.heads, core, z[1 : 1 + h], obs.similarity, ref.mean_matrix())
+            m = obs.metrics
+            heads = named_heads(obs.heads, core, z[1 : 1 + h], m.similarity, ref.mean_matrix())
             score = float(s[: 1 + h][hit[: 1 + h]].max())
-            found.append(Anomaly("low_diversity", obs.layer, heads, obs.diversity, float(mean[0]), float(z[strongest]),
-                                 score, ref_revision))
+            found.append(Anomaly("low_diversity", obs.layer, heads, float(m.diversity), float(mean[0]),
+                                 float(z[strongest]), score, ref_revision))
         kinds = ("entropy_collapse", "concentration_spike", "sink_shift", "sink_shift")
         for i in np.flatnonzero(hit[1 + h :]).tolist():
             j = 1 + h + i
@@ -371,11 +370,11 @@ class Detector:
         self._cusum[key] = s
         band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
         fit_mean, sd = table.value_mean[row], table.value_sd[row]
-        evidence = Evidence(obs.heads, obs.key_count, obs.similarity, ref.mean_matrix(),
-                            {"entropy": obs.entropy, "concentration": obs.concentration,
-                             "sink_share": obs.sink_share},
+        m = obs.metrics
+        evidence = Evidence(obs.heads, obs.key_count, m.similarity, ref.mean_matrix(),
+                            {"entropy": m.entropy, "concentration": m.concentration, "sink_share": m.sink_share},
                             {m: fit_mean[i] for m, i in band.items()}, {m: sd[i] for m, i in band.items()},
-                            (obs.diversity, float(fit_mean[0]), float(sd[0])))
+                            (float(m.diversity), float(fit_mean[0]), float(sd[0])))
         return found, evidence
 
     def _threshold(self, streams: int) -> float:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
+from monitor.core.metrics import HeadMetrics
 from monitor.core.reference import LengthReference, fits
 
 HEAD_METRICS = ("entropy", "concentration", "sink_share", "similarity")
@@ -41,34 +41,19 @@ def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
     return nearest
 
 
-class Observed(Protocol):
-    """What :func:`stream_values` reads of a trace (the detector's ``Observation``)."""
-
-    @property
-    def diversity(self) -> float: ...
-    @property
-    def entropy(self) -> NDArray[np.float64]: ...
-    @property
-    def concentration(self) -> NDArray[np.float64]: ...
-    @property
-    def sink_share(self) -> NDArray[np.float64]: ...
-    @property
-    def similarity(self) -> NDArray[np.float64]: ...
-
-
-def stream_values(observations: Sequence[Observed]) -> NDArray[np.float64]:
+def stream_values(metrics: Sequence[HeadMetrics]) -> NDArray[np.float64]:
     """``[N, 1 + 4H]``: each trace's value of every stream of its layer (layer diversity,
     then each head's entropy, concentration, sink share and similarity to its nearest
     other head); the traces share their head count."""
-    if len(observations) == 1:
-        o = observations[0]
+    if len(metrics) == 1:
+        o = metrics[0]
         return np.concatenate(([o.diversity], o.entropy, o.concentration, o.sink_share,
                                head_similarity(np.asarray(o.similarity))))[None]
-    return np.concatenate((np.array([[o.diversity] for o in observations], dtype=np.float64),
-                           np.stack([o.entropy for o in observations]),
-                           np.stack([o.concentration for o in observations]),
-                           np.stack([o.sink_share for o in observations]),
-                           head_similarity(np.stack([o.similarity for o in observations]))), axis=1)
+    return np.concatenate((np.array([[o.diversity] for o in metrics], dtype=np.float64),
+                           np.stack([o.entropy for o in metrics]),
+                           np.stack([o.concentration for o in metrics]),
+                           np.stack([o.sink_share for o in metrics]),
+                           head_similarity(np.stack([o.similarity for o in metrics]))), axis=1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,10 +1,9 @@
 """Which traces of a chunk are measured together, and their batch.
 
-The metrics core measures a batch ``[B, H, R, K]`` in one call, and a call costs more
-than its traces' elements: on the service bench's machine a trace of 16 heads, 8 rows
-and 16 keys took 0.2 ms alone and 0.035 ms in a batch of 16; at 512 keys, 0.34 and
-0.28 ms. Traces of one shape share that cost; but a model server's traces seldom share a
-key count, since it follows each request's length. So traces of the same heads, rows and
+The metrics core measures a batch ``[B, H, R, K]`` in one call, and a call has a fixed
+cost beside its traces' elements, which weighs most on small traces
+(``docs/performance.md``). Traces of one shape share that cost; but a model server's
+traces seldom share a key count, since it follows each request's length. So traces of the same heads, rows and
 dtype are measured together when their key counts are close: each is padded with zero
 weight on keys marked not valid, up to the group's largest. That changes no metric
 (padded keys carry no mass and are not counted), beyond float32 rounding in the sums

@@ -1,12 +1,13 @@
 """The measuring child process and the commands a measurer takes.
 
 A :class:`Child` is one spawned process running a :class:`~monitor.measuring.measurer.Measurer`
-(see :mod:`monitor.measuring.workers` for how the service feeds one or several): commands go
-down one pipe and results come back up another, read by one thread, in order. Record
-values arrive as places in the shared ring (:mod:`monitor.measuring.ring`), read without a copy.
-The child ignores SIGINT and SIGTERM (the service stops it after the last batch) and
-leaves when its request pipe closes, which also happens when the service dies by
-``kill -9``.
+that observes (see :mod:`monitor.measuring.workers` for how the service feeds one or
+several): commands go down one pipe and results come back up another, read by one
+thread, in order. A chunk's records arrive either whole or as places in the shared ring
+(:class:`Placed`, :mod:`monitor.measuring.ring`), read there without a copy: where the
+values are is a property of the chunk, not of the command. The child ignores SIGINT and
+SIGTERM (the service stops it after the last batch) and leaves when its request pipe
+closes, which also happens when the service dies by ``kill -9``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import threading
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,22 +35,33 @@ log = logging.getLogger(__name__)
 
 #: how long closing waits for the child to leave before it is killed
 STOP_TIMEOUT_S = 10.0
-#: the results pipe's buffer: a chunk's results (about 1.3 KB a trace measured, 3.3 KB
-#: a trace observed) fit, so the child goes on to the next chunk instead of waiting for the
-#: service's reader to take them (with Linux's default 64 KiB it waited 2–5 % of its
-#: time; A/B on the service bench, 4 pairs: +3 to +12 % traces/s)
+#: the results pipe's buffer: a chunk's observations fit, so the child goes on to the
+#: next chunk instead of waiting for the service's reader to take them (Linux's default,
+#: 64 KiB, holds less than a chunk's)
 RESULTS_PIPE_BYTES = 1024 * 1024
-#: a record in the ring: topic, partition, offset, start, length
-Placed = tuple[str, int, int, int, int]
+@dataclass(frozen=True)
+class Placed:
+    """A chunk of records whose values sit in the shared ring: topic, partition, offset,
+    start and length of each."""
+
+    places: list[tuple[str, int, int, int, int]]
+
+    def records(self, ring: memoryview | None) -> list[Record]:
+        """The records, their values views of the ring (no copy)."""
+        if ring is None:
+            raise ValueError("records placed in a ring, but there is no ring here")
+        return [Record(topic, partition, offset, None, ring[start : start + length])
+                for topic, partition, offset, start, length in self.places]
+
+
+#: a chunk of trace records to observe: the records themselves, or their places in the ring
+Chunk = list[Record] | Placed
 
 
 class Command(Enum):
     """What a measurer is asked to do; the arguments are in :func:`execute`."""
 
-    MEASURE = "measure"  #: (records,) → results
-    MEASURE_PLACED = "measure_placed"  #: (placed records in the ring,) → results
-    OBSERVE = "observe"  #: (records,) → observed (decoded, verified, measured; not judged)
-    OBSERVE_PLACED = "observe_placed"  #: (placed records in the ring,) → observed
+    OBSERVE = "observe"  #: (chunk,) → observed (decoded, verified, measured; not judged)
     JUDGE = "judge"  #: (observed,) → results
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
@@ -61,14 +74,9 @@ class Command(Enum):
 
 def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
     """Carry out one command on ``measurer``."""
-    if command is Command.MEASURE:
-        return measurer.measure(args[0])
-    if command is Command.MEASURE_PLACED:
-        return measurer.measure(_from_ring(args[0], ring))
     if command is Command.OBSERVE:
-        return measurer.observe(args[0])
-    if command is Command.OBSERVE_PLACED:
-        return measurer.observe(_from_ring(args[0], ring))
+        chunk = args[0]
+        return measurer.observe(chunk.records(ring) if isinstance(chunk, Placed) else chunk)
     if command is Command.JUDGE:
         return measurer.judge(args[0])
     if command is Command.SET_CONTRACTS:
@@ -84,14 +92,6 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
     if command is Command.PING:
         return None
     raise ValueError(f"{command} is not executed by a measurer")
-
-
-def _from_ring(placed: list[Placed], ring: memoryview | None) -> list[Record]:
-    """The records placed in the ring, their values views of it (no copy)."""
-    if ring is None:
-        raise ValueError("records placed in a ring, but there is no ring here")
-    return [Record(topic, partition, offset, None, ring[start : start + length])
-            for topic, partition, offset, start, length in placed]
 
 
 class Child:
@@ -130,6 +130,11 @@ class Child:
     def in_flight(self) -> int:
         """Commands sent and not yet answered."""
         return len(self._waiting)
+
+    @property
+    def pipe_bytes(self) -> int:
+        """The results pipe's buffer size (``RESULTS_PIPE_BYTES`` where Linux allows)."""
+        return int(fcntl.fcntl(self._results.fileno(), fcntl.F_GETPIPE_SZ))
 
     def check(self) -> None:
         if self._failure is not None:
@@ -187,7 +192,7 @@ def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ri
         reuse_freed_memory()
     ring = ring_module.attach(ring_path)
     measurer = spec.build()
-    collect_less()  # see monitor.measuring.tuning: its young collections cost it about 12 µs a trace
+    collect_less()  # see monitor.measuring.tuning
     while True:
         try:
             command, args = requests.recv()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,23 +34,35 @@ from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits, Trace, check_mass, check_values, decode, masses_within
 from monitor.protocol.decisions import ReferenceDecision
 from monitor.protocol.model_contract import ContractTable, ModelContract
-from monitor.protocol.records import Record
+from monitor.protocol.records import Record, TraceIdentity
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A verified trace, measured and not yet judged: who it is, its head ids and the
+    metrics core's result (without the row masses decode checked). Never weights."""
+
+    identity: TraceIdentity
+    heads: tuple[str, ...]
+    metrics: HeadMetrics
+    seconds: float  #: time spent decoding and measuring (a batch's metrics time shared equally)
+
+    def observation(self) -> Observation:
+        """What the detector judges."""
+        i = self.identity
+        return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics)
 
 
 @dataclass(frozen=True)
 class Measured:
     """A trace that passed every check, measured and judged."""
 
-    identity: dict[str, Any]  #: ids, model identity, layer, source (what anomaly records carry)
+    identity: TraceIdentity
     heads: tuple[str, ...]
-    entropy: list[float]
-    concentration: list[float]
-    sink_share: list[float]
-    diversity: float
-    effective_heads: float
-    seconds: float  #: time spent decoding, measuring and judging (a batch's metrics time shared equally)
+    metrics: HeadMetrics
+    seconds: float  #: time spent decoding, measuring and judging
     verdict: Verdict = field(default_factory=lambda: Verdict([], None, False, 0, False))
 
     @property
@@ -58,47 +70,30 @@ class Measured:
         return self.verdict.anomalies
 
 
-@dataclass(frozen=True)
-class Observed:
-    """A verified, measured trace not yet judged: what the detector needs, no weights."""
-
-    identity: dict[str, Any]
-    heads: tuple[str, ...]
-    entropy: NDArray[np.float64]
-    concentration: NDArray[np.float64]
-    sink_share: NDArray[np.float64]
-    similarity: NDArray[np.float64]
-    diversity: float
-    effective_heads: float
-    seconds: float
-
-
 class ObservedChunk(list["Observed | Rejected"]):
     """A chunk's observations, in record order. It crosses from a measuring process to
     the judge in one pickle with each metric of its traces stacked into one array (per
-    trace arrays cost about 16 µs a trace to pickle and unpickle, stacked about 5);
-    unpickled, it is a plain list again and each trace's arrays are views of those."""
+    trace arrays cost several times more to pickle and unpickle); unpickled, it is a plain
+    list again and each trace's arrays are views of those."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         traces = [(i, item) for i, item in enumerate(self) if isinstance(item, Observed)]
-        shapes = {(o.entropy.shape, o.similarity.shape) for _, o in traces}
+        shapes = {(o.metrics.entropy.shape, o.metrics.similarity.shape) for _, o in traces}
         if len(shapes) != 1:  # none, or traces of several head counts: each as it is
             return list, (list(self),)
         rest = [None if isinstance(item, Observed) else item for item in self]
-        fields = [(i, o.identity, o.heads, o.diversity, o.effective_heads, o.seconds) for i, o in traces]
-        arrays = [np.stack([getattr(o, name) for _, o in traces]) for name in _STACKED]
+        fields = [(i, o.identity, o.heads, o.seconds) for i, o in traces]
+        arrays = [np.stack([np.asarray(getattr(o.metrics, name)) for _, o in traces]) for name in _STACKED]
         return _unstack, (rest, fields, *arrays)
 
 
-_STACKED = ("entropy", "concentration", "sink_share", "similarity")
+_STACKED = ("entropy", "concentration", "sink_share", "similarity", "diversity", "effective_heads")
 
 
-def _unstack(rest: list[Any], fields: list[tuple[Any, ...]], entropy: NDArray[np.float64],
-             concentration: NDArray[np.float64], sink_share: NDArray[np.float64],
-             similarity: NDArray[np.float64]) -> list[Observed | Rejected]:
-    for row, (i, identity, heads, diversity, effective_heads, seconds) in enumerate(fields):
-        rest[i] = Observed(identity, heads, entropy[row], concentration[row], sink_share[row], similarity[row],
-                           diversity, effective_heads, seconds)
+def _unstack(rest: list[Any], fields: list[tuple[Any, ...]],
+             *arrays: NDArray[np.float64]) -> list[Observed | Rejected]:
+    for row, (i, identity, heads, seconds) in enumerate(fields):
+        rest[i] = Observed(identity, heads, HeadMetrics(*(a[row] for a in arrays)), seconds)
     return rest
 
 
@@ -184,10 +179,7 @@ class Measurer:
         once (:meth:`Detector.ahead`; the verdicts are the same)."""
         started = time.perf_counter()
         traces = [item for item in observed if isinstance(item, Observed)]
-        observations = [Observation(
-            item.identity["model_id"], item.identity["model_revision"], item.identity["layer"],
-            item.identity["key_count"], item.heads, item.entropy, item.concentration, item.sink_share,
-            item.similarity, item.diversity) for item in traces]
+        observations = [item.observation() for item in traces]
         try:
             worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
         except Exception as exc:  # each trace is worked out alone below, and fails alone
@@ -201,12 +193,11 @@ class Measurer:
                 out.append(item)
                 continue
             observation, worked = next(pending)
-            trace_id = item.identity["trace_id"]
+            trace_id = item.identity.trace_id
             if not self.recent.add(("trace", trace_id)):
                 out.append(Duplicate(trace_id))
                 continue
             started = time.perf_counter() - shared
-            ident = item.identity
             try:
                 verdict = self.detector.observe(observation, worked)
             except Exception as exc:  # a verified record must not stop the partition either
@@ -215,8 +206,7 @@ class Measurer:
                 continue
             for event in verdict.events:
                 log.info("%s", event)
-            out.append(Measured(ident, item.heads, item.entropy.tolist(), item.concentration.tolist(),
-                                item.sink_share.tolist(), item.diversity, item.effective_heads,
+            out.append(Measured(item.identity, item.heads, item.metrics,
                                 item.seconds + time.perf_counter() - started, verdict))
         return out
 
@@ -279,9 +269,8 @@ class Measurer:
             log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
                       exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
-        m = metrics
-        return Observed(trace_identity(trace, record), tuple(trace.header.heads), m.entropy, m.concentration,
-                        m.sink_share, m.similarity, float(m.diversity), float(m.effective_heads),
+        kept = replace(metrics, row_mass=None, hidden_mass=None)  # checked: they go no further
+        return Observed(trace_identity(trace, record), tuple(trace.header.heads), kept,
                         spent + time.perf_counter() - started)
 
     def remember(self, trace_ids: list[str]) -> None:
@@ -324,11 +313,7 @@ def _split(m: HeadMetrics) -> list[HeadMetrics]:
                         m.effective_heads[b], m.row_mass[b], m.hidden_mass[b]) for b in range(len(m.diversity))]
 
 
-def trace_identity(trace: Trace, record: Record) -> dict[str, Any]:
+def trace_identity(trace: Trace, record: Record) -> TraceIdentity:
     h = trace.header
-    return {
-        "trace_id": h.trace_id, "request_id": h.request_id, "model_id": h.model_id,
-        "model_revision": h.model_revision, "contract_id": h.contract_id, "layer": h.layer,
-        "key_count": h.key_count, "trace_timestamp": h.timestamp,
-        "source": {"topic": record.topic, "partition": record.partition, "offset": record.offset},
-    }
+    return TraceIdentity(h.trace_id, h.request_id, h.model_id, h.model_revision, h.contract_id, h.layer, h.key_count,
+                         h.timestamp, (record.topic, record.partition, record.offset))

@@ -156,8 +156,8 @@ def named_contract(data: bytes | memoryview | None, limits: Limits | None = None
     record on); None when the record has no readable header naming one.
 
     A header with one ``"contract_id"`` whose value is a plain string is read by a byte
-    scan (parsing the whole header cost 10 µs a trace, in the service's busiest thread);
-    anything else is parsed. A wrong answer costs at most a read of the contracts topic:
+    scan (parsing the whole header costs several times more, in the service's busiest
+    thread); anything else is parsed. A wrong answer costs at most a read of the contracts topic:
     decode judges the record."""
     limits = limits or Limits()
     try:

@@ -1,10 +1,11 @@
-"""The values that travel along a record's path: what comes in from Kafka (:class:`Record`)
-and what goes back out (:class:`Output`). Nothing here knows Kafka or the pipeline; every
-other module may use them."""
+"""The values that travel along a record's path: what comes in from Kafka (:class:`Record`),
+who a verified trace is (:class:`TraceIdentity`) and what goes back out (:class:`Output`).
+Nothing here knows Kafka or the pipeline; every other module may use them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 #: topic, partition, offset of a record
 Source = tuple[str, int, int]
@@ -26,3 +27,28 @@ class Output:
     key: bytes | None
     value: bytes
     source: Source  #: the record it came from
+
+
+@dataclass(frozen=True)
+class TraceIdentity:
+    """Who a verified trace is: its ids, its model's exact identity, its layer and length,
+    and where it was read. Anomaly records carry it (:meth:`fields`); it never holds
+    weights."""
+
+    trace_id: str
+    request_id: str
+    model_id: str
+    model_revision: str
+    contract_id: str
+    layer: int
+    key_count: int
+    trace_timestamp: float  #: the producer's timestamp of the trace
+    source: Source  #: topic, partition, offset of its record
+
+    def fields(self) -> dict[str, Any]:
+        """The identity as the JSON fields of an anomaly record (``docs/wire-format.md``)."""
+        topic, partition, offset = self.source
+        return {"trace_id": self.trace_id, "request_id": self.request_id, "model_id": self.model_id,
+                "model_revision": self.model_revision, "contract_id": self.contract_id, "layer": self.layer,
+                "key_count": self.key_count, "trace_timestamp": self.trace_timestamp,
+                "source": {"topic": topic, "partition": partition, "offset": offset}}

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from monitor.core.detect import KINDS, Verdict
 from monitor.core.incidents import FAMILIES
 from monitor.core.join import MISSING
+from monitor.core.metrics import HeadMetrics
 from monitor.errors import RejectReason
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.schema import OUTCOMES as OUTCOME_WORDS
@@ -239,8 +240,10 @@ class LayerSeries:
         self._metrics = metrics
         self._judge: str | None = None
 
-    def observe_trace(self, heads: Sequence[str], entropy: Sequence[float], concentration: Sequence[float],
-                      sink_share: Sequence[float], diversity: float, effective_heads: float) -> None:
+    def observe_trace(self, heads: Sequence[str], metrics: HeadMetrics) -> None:
+        entropy, concentration = metrics.entropy.tolist(), metrics.concentration.tolist()
+        sink_share = metrics.sink_share.tolist()
+        diversity, effective_heads = float(metrics.diversity), float(metrics.effective_heads)
         self.traces.inc()
         if diversity == diversity:  # NaN (a single head) is not observed
             self.diversity.observe(diversity)

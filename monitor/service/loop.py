@@ -1,7 +1,7 @@
 """The Kafka loop: poll a batch, hand it to the pipeline, commit its outputs with its
 offsets, repeat.
 
-The batches that finish within ``COMMIT_INTERVAL_MS`` (100 ms) have their outputs and
+The batches that finish within ``COMMIT_INTERVAL_MS`` have their outputs and
 offsets committed together, in one Kafka transaction (:mod:`monitor.service.delivery`), never
 past a trace still waiting in the join buffer;
 re-processing after a crash is idempotent by trace id (the measurer's de-duplication
@@ -42,7 +42,7 @@ from monitor.broker.tail import read_back
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.tuning import YOUNG_THRESHOLD, collect_less, reuse_freed_memory
-from monitor.measuring.workers import MeasuringProcess, MeasuringThread, start_measuring
+from monitor.measuring.workers import Measuring
 from monitor.protocol.access import contract_verifier
 from monitor.protocol.codec import named_contract
 from monitor.protocol.decisions import ReferenceTable
@@ -112,7 +112,7 @@ class Service:
         kafka = s.kafka_connection()
         consumer = producer = None
         readers: list[TableReader] = []
-        measuring: MeasuringThread | MeasuringProcess | None = None
+        measuring: Measuring | None = None
         pipeline: Pipeline | None = None
         try:
             if s.reuse_freed_memory:
@@ -124,7 +124,7 @@ class Service:
             spec = MeasurerSpec(keyring, s.scopes(), s.limits(), detector, s.dedupe_window, state,
                                 logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
             processes = s.measuring_processes()
-            measuring = start_measuring(spec, processes)
+            measuring = Measuring(spec, processes)
             self.metrics.measuring_processes.set(processes)
             log.info("measuring in %s", "a thread of this process" if processes == 0 else
                      f"{processes} child process{'es' if processes > 1 else ''} ({os.cpu_count()} cores)")
@@ -189,7 +189,7 @@ class Service:
         return producer, consumer
 
     def _loop(self, consumer: GroupMember, readers: list[TableReader], delivery: Delivery,
-              measuring: MeasuringThread | MeasuringProcess, pipeline: Pipeline) -> None:
+              measuring: Measuring, pipeline: Pipeline) -> None:
         """Poll a batch and hand it to the pipeline at once; commit batches in order as
         they complete. Up to ``batches_in_flight`` polled batches are measured or
         accounted for at once, so the measuring worker always has the next one queued. A
@@ -229,9 +229,8 @@ class Service:
                 while running and running[0].done():
                     finished.append(running.popleft())
             if finished and time.monotonic() - committed_at >= s.commit_interval_ms / 1000:
-                # every batch done by now goes in one transaction: its latency (tens of ms)
-                # and its broker requests are paid once for them all (a transaction per
-                # batch cost the service bench 0.07 ms of CPU a trace, mostly the broker's)
+                # every batch done by now goes in one transaction: its latency and its
+                # broker requests are paid once for them all
                 committed_at = time.monotonic()
                 _complete(delivery, finished)
                 finished.clear()
@@ -277,7 +276,7 @@ class Service:
             self.health.broker_silent(str(exc))
 
     def _reassign(self, consumer: GroupMember, pipeline: Pipeline,
-                  measuring: MeasuringThread | MeasuringProcess, assigned: set[tuple[str, int]],
+                  measuring: Measuring, assigned: set[tuple[str, int]],
                   records: list[Record]) -> list[Record]:
         """Act on a completed rebalance, with no batch in flight; returns the records of
         the poll that brought it still to process (see :mod:`monitor.service.assignment`)."""
@@ -298,7 +297,7 @@ class Service:
                           {p for t, p in change.lost if t == self.topics.traces}, emitted)
         return change.records
 
-    def _maybe_save_state(self, measuring: MeasuringThread | MeasuringProcess) -> None:
+    def _maybe_save_state(self, measuring: Measuring) -> None:
         """Ask the measurer for its state every ``state_save_interval_s``; write it when
         it arrives (a later iteration), so the loop never waits for it."""
         if self.state_file is None:
@@ -310,7 +309,7 @@ class Service:
             self._saved_at = time.monotonic()
             self._state_saving = measuring.state()
 
-    def _save_state(self, measuring: MeasuringThread | MeasuringProcess) -> None:
+    def _save_state(self, measuring: Measuring) -> None:
         """Save the state now (before committing traces that taught a reference); a
         periodic save still pending holds an older state and is dropped."""
         if self.state_file is not None:
@@ -318,7 +317,7 @@ class Service:
             self.state_file.save(measuring.state().result())
             self._saved_at = time.monotonic()
 
-    def _save_final_state(self, measuring: MeasuringThread | MeasuringProcess) -> None:
+    def _save_final_state(self, measuring: Measuring) -> None:
         if self.state_file is None:
             return
         try:

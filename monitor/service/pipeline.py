@@ -35,7 +35,7 @@ from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
 from monitor.measuring.workers import Measuring, results
 from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
-from monitor.protocol.records import Output, Record, Source
+from monitor.protocol.records import Output, Record, Source, TraceIdentity
 from monitor.protocol.schema import TaskOutcome
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import LayerSeries, MonitorMetrics
@@ -69,7 +69,7 @@ class Batch:
 class _Waiting:
     """What a measured trace leaves in the join buffer (never its weights)."""
 
-    trace: dict[str, Any]
+    trace: TraceIdentity
     series: LayerSeries
     anomalies: list[Anomaly] = field(default_factory=list)
     evidence: dict[str, Any] | None = None  #: the anomalous trace beside its reference (anomaly records carry it)
@@ -159,9 +159,8 @@ class Pipeline:
 
     def _measured(self, record: Record, result: Measured) -> list[Output]:
         ident = result.identity
-        series = self.metrics.layer(ident["model_id"], ident["model_revision"], ident["layer"])
-        series.observe_trace(result.heads, result.entropy, result.concentration, result.sink_share,
-                             result.diversity, result.effective_heads)
+        series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
+        series.observe_trace(result.heads, result.metrics)
         series.observe_verdict(result.verdict)
         if result.verdict.evicted:
             self.metrics.references_evicted.inc(result.verdict.evicted)
@@ -174,13 +173,13 @@ class Pipeline:
         if result.anomalies:
             now = self._wall()
             evidence = evidence_fields(result.verdict.evidence)
-            records = [anomaly_record(ident, anomaly, None, now, evidence) for anomaly in result.anomalies]
-            changes = self.incidents.observe(ident["model_id"], ident["model_revision"], ident["layer"],
+            records = [anomaly_record(ident.fields(), anomaly, None, now, evidence) for anomaly in result.anomalies]
+            changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer,
                                              result.anomalies, records, self._clock(), now)
             outputs += self._incident_records(changes, record)
         waiting = _Waiting(ident, series, result.anomalies, evidence)
         at = self._event_time(record, "trace")
-        joined = self.join.add_trace(ident["request_id"], waiting, record.partition, record.offset, at)
+        joined = self.join.add_trace(ident.request_id, waiting, record.partition, record.offset, at)
         return outputs + self._emit(joined)
 
     def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
@@ -238,9 +237,9 @@ class Pipeline:
                 if source in self._emitted:
                     continue
             for anomaly in w.anomalies:
-                doc = anomaly_record(w.trace, anomaly, item.outcome, self._wall(), w.evidence,
+                doc = anomaly_record(w.trace.fields(), anomaly, item.outcome, self._wall(), w.evidence,
                                      w.series.outcome_counts)
-                out.append(Output(self.topics.anomalies, w.trace["request_id"].encode(),
+                out.append(Output(self.topics.anomalies, w.trace.request_id.encode(),
                                   json.dumps(doc, sort_keys=True).encode(), source))
         self._sync_join_gauges()
         return out
@@ -274,7 +273,7 @@ class Pipeline:
         if dropped:
             log.info("dropped %d waiting traces of revoked partitions", len(dropped))
         self._sync_join_gauges()
-        self.measuring.forget([waiting.trace["trace_id"] for waiting in dropped])
+        self.measuring.forget([waiting.trace.trace_id for waiting in dropped])
         with self._emitted_lock:
             self._emitted |= emitted
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from monitor.core.detect import DetectorConfig
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 from monitor.measuring.measurer import MeasurerSpec
-from monitor.measuring.workers import MeasuringThread
+from monitor.measuring.workers import Measuring
 from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits, encode
 from monitor.protocol.model_contract import ContractTable
@@ -63,8 +63,8 @@ def run_demo(registry: CollectorRegistry, *, requests: int = 240, pace: float = 
     clock = _Clock()
     metrics = MonitorMetrics(registry, detail_level="head")
     detector = DetectorConfig(reference_traces=reference_traces, pins={(rev2.model_id, rev2.revision): rev1.revision})
-    measuring = MeasuringThread(MeasurerSpec(Keyring({KEY_ID: SECRET}), ScopePolicy.parse(["demo:*"]), Limits(),
-                                             detector, dedupe_window=100_000))
+    measuring = Measuring(MeasurerSpec(Keyring({KEY_ID: SECRET}), ScopePolicy.parse(["demo:*"]), Limits(),
+                                       detector, dedupe_window=100_000), processes=0)
     measuring.sync_contracts(contracts)
     topics = Topics()
     pipeline = Pipeline(measuring, metrics=metrics, topics=topics, join_ttl=30.0, clock=clock)

@@ -23,8 +23,7 @@ def observations(scenario: Scenario, rng: np.random.Generator, requests: int):
     for _ in range(requests):
         for header, weights in scenario.request(rng):
             m = head_metrics(weights, valid_keys(header))
-            yield Observation(header.model_id, header.model_revision, header.layer, header.key_count, header.heads,
-                              m.entropy, m.concentration, m.sink_share, m.similarity, float(m.diversity))
+            yield Observation(header.model_id, header.model_revision, header.layer, header.key_count, header.heads, m)
 
 
 def feed(detector: Detector, scenario: Scenario, rng: np.random.Generator, requests: int):

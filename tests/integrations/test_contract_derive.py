@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from monitor.cli import app
 from monitor.integrations.transformers import contract_from_config
 from monitor.protocol.model_contract import ModelContract
 from tests.integrations.models import minilm
+
+pytestmark = pytest.mark.models
 
 runner = CliRunner()
 

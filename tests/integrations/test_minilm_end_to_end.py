@@ -13,7 +13,7 @@ from tests.factories import KEY_ID, SECRET
 from tests.integrations.models import SENTENCES, minilm
 from tests.service.harness import Monitor, make_topics, monitor_env, series
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.models]
 
 
 def test_minilm_traces_reach_the_monitor_and_every_layer_is_measured(kafka_broker, make_topic, tmp_path):

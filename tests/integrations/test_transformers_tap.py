@@ -19,6 +19,8 @@ from monitor.protocol.codec import decode, encode
 from monitor.protocol.schema import Scope
 from tests.integrations.models import MODELS, twins
 
+pytestmark = pytest.mark.models
+
 SCOPE = Scope(tenant="team-a", data_class="internal")
 LENGTH = 12
 

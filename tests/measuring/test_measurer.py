@@ -46,8 +46,9 @@ def test_a_batch_gives_what_one_trace_at_a_time_gives():
             assert isinstance(b, Measured)
             assert a.identity == b.identity
             for field in ("entropy", "concentration", "sink_share"):
-                np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-9)
-            assert a.diversity == pytest.approx(b.diversity, rel=1e-6, abs=1e-9)
+                np.testing.assert_allclose(getattr(a.metrics, field), getattr(b.metrics, field), rtol=1e-6,
+                                           atol=1e-9)
+            assert float(a.metrics.diversity) == pytest.approx(float(b.metrics.diversity), rel=1e-6, abs=1e-9)
             assert [x.kind for x in a.anomalies] == [x.kind for x in b.anomalies]
 
 
@@ -71,9 +72,9 @@ def test_traces_of_close_key_counts_are_measured_together_with_what_each_gets_al
         (b,) = one_by_one.measure([record])
         assert isinstance(a, Measured) and isinstance(b, Measured)
         for field in ("entropy", "concentration", "sink_share"):
-            np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-9)
-        assert a.diversity == pytest.approx(b.diversity, rel=1e-6, abs=1e-9)
-        assert a.effective_heads == pytest.approx(b.effective_heads, rel=1e-6)
+            np.testing.assert_allclose(getattr(a.metrics, field), getattr(b.metrics, field), rtol=1e-6, atol=1e-9)
+        assert float(a.metrics.diversity) == pytest.approx(float(b.metrics.diversity), rel=1e-6, abs=1e-9)
+        assert float(a.metrics.effective_heads) == pytest.approx(float(b.metrics.effective_heads), rel=1e-6)
 
 
 def test_a_trace_whose_metrics_fail_is_rejected_alone(monkeypatch):
@@ -186,8 +187,9 @@ def test_a_chunks_observations_cross_in_one_pickle_with_their_metrics_stacked():
     measurer = make_measurer()
     same_shape = measurer.observe(records)
     assert isinstance(same_shape, measure_module.ObservedChunk) and isinstance(same_shape[-1], Rejected)
-    three = dataclasses.replace(same_shape[0], heads=("a", "b", "c"), entropy=np.zeros(3), concentration=np.ones(3),
-                                sink_share=np.zeros(3), similarity=np.eye(3))
+    three = dataclasses.replace(same_shape[0], heads=("a", "b", "c"), metrics=dataclasses.replace(
+        same_shape[0].metrics, entropy=np.zeros(3), concentration=np.ones(3), sink_share=np.zeros(3),
+        similarity=np.eye(3)))
     mixed = measure_module.ObservedChunk([*same_shape, three])  # two head counts: each trace as it is
     for chunk in (same_shape, mixed):
         data = pickle.dumps(chunk, protocol=5)
@@ -198,10 +200,10 @@ def test_a_chunks_observations_cross_in_one_pickle_with_their_metrics_stacked():
             if isinstance(a, Rejected):
                 assert (a.reason, a.detail) == (b.reason, b.detail)
                 continue
-            for name in ("entropy", "concentration", "sink_share", "similarity"):
-                assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True)
-            assert (a.identity, a.heads, a.diversity, a.effective_heads, a.seconds) == (
-                b.identity, b.heads, b.diversity, b.effective_heads, b.seconds)
+            for name in ("entropy", "concentration", "sink_share", "similarity", "diversity", "effective_heads"):
+                assert np.array_equal(getattr(a.metrics, name), getattr(b.metrics, name), equal_nan=True)
+            assert (a.metrics.row_mass, a.metrics.hidden_mass, b.metrics.row_mass) == (None, None, None)
+            assert (a.identity, a.heads, a.seconds) == (b.identity, b.heads, b.seconds)
     stacked = pickle.dumps(same_shape, protocol=5)
     assert b"_unstack" in stacked and b"_unstack" not in pickle.dumps(mixed, protocol=5)
     assert len(stacked) < len(pickle.dumps(list(same_shape), protocol=5))

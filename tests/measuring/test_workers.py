@@ -3,7 +3,6 @@ cleanup. (The service tests run it against the real broker.)"""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pickle
 import signal
@@ -21,7 +20,7 @@ from monitor.core.detect import DetectorConfig
 from monitor.errors import MeasuringFailed, RejectReason
 from monitor.measuring.child import RESULTS_PIPE_BYTES
 from monitor.measuring.measurer import Duplicate, Measured, MeasurerSpec, Rejected
-from monitor.measuring.workers import MeasuringProcess, MeasuringThread, results, start_measuring
+from monitor.measuring.workers import Measuring, results
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Record
@@ -44,28 +43,29 @@ def records(n: int, start: int = 0, **kwargs) -> list[Record]:
     return [Record("traces", i % 3, i, b"k", make_record(i, **kwargs)) for i in range(start, start + n)]
 
 
-def run(measuring: MeasuringThread | MeasuringProcess, batch: list[Record]) -> list:
+def run(measuring: Measuring, batch: list[Record]) -> list:
     return list(results(measuring.submit(batch)))
 
 
 @pytest.fixture
 def child():
-    r = MeasuringProcess(spec())
+    r = Measuring(spec(), processes=1)
     yield r
     r.close()
 
 
 def comparable(result):
     if isinstance(result, Measured):
-        return ("measured", result.identity, result.entropy, result.concentration, result.sink_share,
-                result.diversity, result.effective_heads, [a.kind for a in result.anomalies])
+        m = result.metrics
+        return ("measured", result.identity, m.entropy.tolist(), m.concentration.tolist(), m.sink_share.tolist(),
+                float(m.diversity), float(m.effective_heads), [a.kind for a in result.anomalies])
     if isinstance(result, Rejected):
         return ("rejected", result.reason)
     return ("duplicate", result.trace_id)
 
 
 def test_the_child_process_gives_what_a_thread_gives(child):
-    local = MeasuringThread(spec())
+    local = Measuring(spec(), processes=0)
     try:
         fresh = records(30)
         batch = fresh + fresh[:2] + [Record("traces", 0, 99, None, b"not a trace")]
@@ -89,7 +89,7 @@ def test_a_chunks_results_fit_in_the_results_pipe(child):
     local.set_contracts(table().contracts())
     observed = local.observe(records(measuring_module.CHUNK_RECORDS, start=1000))
     largest = max(len(pickle.dumps((True, value))) for value in (measured, observed))
-    pipe = fcntl.fcntl(child._children[0]._results.fileno(), fcntl.F_GETPIPE_SZ)
+    pipe = child.observers.children[0].pipe_bytes
     assert pipe == RESULTS_PIPE_BYTES > 64 * 1024
     assert largest < pipe
 
@@ -106,7 +106,7 @@ def test_forgotten_traces_are_measured_again(child):
     first = run(child, batch)[0]
     assert isinstance(first, Measured)
     assert isinstance(run(child, batch)[0], Duplicate)
-    child.forget([first.identity["trace_id"]])
+    child.forget([first.identity.trace_id])
     assert isinstance(run(child, batch)[0], Measured)
 
 
@@ -122,7 +122,7 @@ def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):
     size = len(make_record(0))
     monkeypatch.setattr(measuring_module, "RING_BYTES", 5 * size)
     monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 2)
-    r = MeasuringProcess(spec())
+    r = Measuring(spec(), processes=1)
     try:
         r.sync_contracts(table())
         batch = records(60)
@@ -130,12 +130,12 @@ def test_the_ring_is_reused_without_overwriting_chunks_in_flight(monkeypatch):
     finally:
         r.close()
     assert all(isinstance(x, Measured) for x in results), {comparable(x)[:2] for x in results}
-    assert [x.identity["source"]["offset"] for x in results] == list(range(60))
+    assert [x.identity.source[2] for x in results] == list(range(60))
 
 
 def test_a_record_larger_than_the_ring_goes_through_the_pipe(monkeypatch):
     monkeypatch.setattr(measuring_module, "RING_BYTES", 1024)
-    r = MeasuringProcess(spec())
+    r = Measuring(spec(), processes=1)
     try:
         r.sync_contracts(table())
         results = run(r, records(3))
@@ -145,22 +145,24 @@ def test_a_record_larger_than_the_ring_goes_through_the_pipe(monkeypatch):
 
 
 def test_the_child_ignores_sigint_and_a_dead_child_is_reported(child):
-    pid = child.pid
+    (pid,) = child.pids
     assert pid is not None
     os.kill(pid, signal.SIGINT)  # a Ctrl-C in the terminal reaches the whole process group
     child.ping()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(MeasuringFailed, match="measuring process died"):
-        child.state().result()
+        run(child, records(1))  # a chunk in flight, or one sent after: its results say so
+    with pytest.raises(MeasuringFailed, match="measuring process died"):
+        child.check()  # and so does the service's check between polls
 
 
 def test_the_child_goes_and_nothing_stays_in_dev_shm_when_the_service_is_killed():
     script = textwrap.dedent("""
         import sys, time
         from tests.measuring.test_workers import spec
-        from monitor.measuring.workers import MeasuringProcess
-        r = MeasuringProcess(spec())
-        print(r.pid, r.ring_path, flush=True)
+        from monitor.measuring.workers import Measuring
+        r = Measuring(spec(), processes=1)
+        print(r.pids[0], r.observers.ring_path, flush=True)
         time.sleep(600)
     """)
     shm = Path("/dev/shm")
@@ -186,9 +188,9 @@ def test_the_child_leaves_when_only_the_service_is_killed():
     script = textwrap.dedent("""
         import sys, time
         from tests.measuring.test_workers import spec
-        from monitor.measuring.workers import MeasuringProcess
-        r = MeasuringProcess(spec())
-        print(r.pid, flush=True)
+        from monitor.measuring.workers import Measuring
+        r = Measuring(spec(), processes=1)
+        print(r.pids[0], flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -211,7 +213,7 @@ def _alive(pid: int) -> bool:
 
 def test_measuring_needs_a_known_mode():
     with pytest.raises(ValueError, match="processes must be 0"):
-        start_measuring(spec(), processes=-1)
+        Measuring(spec(), processes=-1)
 
 
 def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
@@ -220,11 +222,11 @@ def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
     script = textwrap.dedent("""
         import resource
         from monitor.errors import MeasuringFailed
-        from monitor.measuring.workers import MeasuringProcess
+        from monitor.measuring.workers import Measuring
         from tests.measuring.test_workers import spec
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:
-            MeasuringProcess(spec())
+            Measuring(spec(), processes=1)
         except MeasuringFailed as exc:
             print(exc)
     """)
@@ -233,12 +235,12 @@ def test_a_ring_that_cannot_be_reserved_is_a_clear_failure():
 
 
 def test_several_processes_give_what_one_gives_in_the_same_order(monkeypatch):
-    """Three children observe chunks in turn and the first judges them in order: with
+    """Three children observe chunks in turn and the judge takes them in order: with
     commands between the chunks (forget, remember, decisions), results and the
     detector's state equal those of one measurer."""
     monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 3)  # many chunks, every child several
-    many = MeasuringProcess(spec(), processes=3)
-    one = MeasuringThread(spec())
+    many = Measuring(spec(), processes=3)
+    one = Measuring(spec(), processes=0)
     try:
         assert len(set(many.pids)) == 3
         first, second = records(40), records(20, start=40)
@@ -246,8 +248,8 @@ def test_several_processes_give_what_one_gives_in_the_same_order(monkeypatch):
         for m in (many, one):
             m.sync_contracts(table())
             out = run(m, first)
-            m.forget([r.identity["trace_id"] for r in out[:4]])  # these may come again
-            m.remember([r.identity["trace_id"] for r in run(m, second[:5])])
+            m.forget([r.identity.trace_id for r in out[:4]])  # these may come again
+            m.remember([r.identity.trace_id for r in run(m, second[:5])])
             out += run(m, first[:6] + second + [Record("traces", 1, 999, None, b"junk")])
             outputs.append((out, m.state().result()))
         (ours, our_state), (theirs, their_state) = outputs
@@ -272,8 +274,8 @@ def test_a_child_held_back_costs_the_others_no_chunks(monkeypatch):
     size = len(make_record(0))
     monkeypatch.setattr(measuring_module, "RING_BYTES", 6 * size)  # three chunks of two records
     monkeypatch.setattr(measuring_module, "CHUNK_RECORDS", 2)
-    many = MeasuringProcess(spec(), processes=2)
-    one = MeasuringThread(spec())
+    many = Measuring(spec(), processes=2)
+    one = Measuring(spec(), processes=0)
     stopped = many.pids[1]
     try:
         for m in (many, one):
@@ -301,7 +303,7 @@ def test_a_child_held_back_costs_the_others_no_chunks(monkeypatch):
 
 
 def test_a_dead_child_among_several_fails_the_service_clearly():
-    many = MeasuringProcess(spec(), processes=2)
+    many = Measuring(spec(), processes=2)
     try:
         os.kill(many.pids[1], signal.SIGKILL)
         wait_for(lambda: _raises(many.check), timeout=10, what="the death noticed")

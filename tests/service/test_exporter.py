@@ -8,12 +8,21 @@ import subprocess
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from monitor.core.detect import Verdict
+from monitor.core.metrics import HeadMetrics
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.http import MetricsServer
+
+
+def measured(entropy, concentration, sink_share, diversity, effective_heads) -> HeadMetrics:
+    """The metrics core's result for one trace of ``len(entropy)`` heads."""
+    h = len(entropy)
+    return HeadMetrics(np.array(entropy), np.array(concentration), np.array(sink_share), np.eye(h),
+                       np.array(diversity), np.array(effective_heads))
 
 
 def test_model_revisions_beyond_the_cap_go_to_other_and_are_counted():
@@ -37,7 +46,7 @@ def test_head_series_only_at_head_detail():
     for level, expected in (("layer", None), ("head", 1.0)):
         registry = CollectorRegistry()
         metrics = MonitorMetrics(registry, detail_level=level)
-        metrics.layer("m", "r", 0).observe_trace(["h0", "h1"], [0.5, 0.6], [0.4, 0.3], [0.1, 0.2], 0.7, 1.8)
+        metrics.layer("m", "r", 0).observe_trace(["h0", "h1"], measured([0.5, 0.6], [0.4, 0.3], [0.1, 0.2], 0.7, 1.8))
         labels = {"model": "m", "revision": "r", "layer": "0", "head": "h0"}
         assert registry.get_sample_value("attention_head_entropy_count", labels) == expected
         assert registry.get_sample_value("attention_layer_entropy_sum", {"model": "m", "revision": "r",
@@ -101,8 +110,8 @@ def test_series_per_model_revision_follow_the_documented_formula():
             before = sum(len(f.samples) for f in registry.collect())
             for layer in range(layers):
                 series = metrics.layer("m", "r", layer)
-                series.observe_trace([f"h{i}" for i in range(heads)], [0.5] * heads, [0.5] * heads, [0.5] * heads,
-                                     0.5, 2.0)
+                series.observe_trace([f"h{i}" for i in range(heads)],
+                                     measured([0.5] * heads, [0.5] * heads, [0.5] * heads, 0.5, 2.0))
                 for kind in ("low_diversity", "sink_shift"):
                     series.observe_anomaly(kind)
                 series.observe_outcome("failure", ["low_diversity"])
@@ -121,7 +130,7 @@ def test_layers_beyond_the_cap_are_labelled_other_and_counted():
     registry = CollectorRegistry()
     metrics = MonitorMetrics(registry, max_layer_series=3)
     for layer in range(10):  # a contract declaring many layers cannot grow the series without bound
-        metrics.layer("m", "r", layer).observe_trace(["h0"], [0.5], [0.5], [0.5], float("nan"), 1.0)
+        metrics.layer("m", "r", layer).observe_trace(["h0"], measured([0.5], [0.5], [0.5], float("nan"), 1.0))
     layers = {s.labels["layer"] for f in registry.collect() if f.name == "attention_traces" for s in f.samples}
     assert layers == {"0", "1", "2", "other"}
     assert registry.get_sample_value("attention_traces_total", {"model": "m", "revision": "r", "layer": "other"}) == 7

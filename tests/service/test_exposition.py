@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from monitor.core.detect import DetectorConfig
 from monitor.measuring.measurer import MeasurerSpec
-from monitor.measuring.workers import MeasuringThread
+from monitor.measuring.workers import Measuring
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Record
@@ -46,8 +46,8 @@ def no_created_series():
 def exposition(detail_level: str) -> str:
     contracts = ContractTable()
     contracts.add(CONTRACT)
-    measuring = MeasuringThread(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=4,
-                                             min_effect=0.5, false_alarm_arl=2), dedupe_window=100))
+    measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=4,
+                                       min_effect=0.5, false_alarm_arl=2), dedupe_window=100), processes=0)
     measuring.sync_contracts(contracts)
     registry = CollectorRegistry()
     now = {"t": 100.0}

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 import monitor.measuring.measurer as measure_module
 from monitor.core.detect import DetectorConfig
 from monitor.measuring.measurer import MeasurerSpec
-from monitor.measuring.workers import MeasuringThread
+from monitor.measuring.workers import Measuring
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Output, Record
@@ -36,7 +36,7 @@ def make_pipeline():
     def make(clock=None):
         contracts = ContractTable()
         contracts.add(CONTRACT)
-        measuring = MeasuringThread(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000))
+        measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000), 0)
         measuring.sync_contracts(contracts)
         registry = CollectorRegistry()
         pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock())

@@ -17,6 +17,8 @@ from monitor.study.design import magnitude_controls, parse_heads, random_control
 from monitor.study.verdict import ESTABLISHED, NOT_ESTABLISHED
 from tests.study.copy_model import build, examples
 
+pytestmark = pytest.mark.models
+
 SINGLE_HEADS = tuple(((0, h),) for h in range(4))
 FAST = {"controls": 8, "resamples": 400}
 

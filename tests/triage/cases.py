@@ -34,8 +34,7 @@ def records(collapsed_requests: int = 12, seed: int = 0, failure_rate: float = 0
         for header, weights in scenario.request(rng, request_id=f"req-{n}"):
             m = head_metrics(weights, valid_keys(header))
             verdict = detector.observe(Observation(header.model_id, header.model_revision, header.layer,
-                                                   header.key_count, header.heads, m.entropy, m.concentration,
-                                                   m.sink_share, m.similarity, float(m.diversity)))
+                                                   header.key_count, header.heads, m))
             ident = {"trace_id": f"{header.request_id}/{header.layer}", "request_id": header.request_id,
                      "model_id": header.model_id, "model_revision": header.model_revision, "layer": header.layer,
                      "contract_id": "c-" + header.model_revision}
