@@ -380,6 +380,12 @@ class Detector:
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
 
+    def statistics(self) -> dict[LayerKey, NDArray[np.float64]]:
+        """A copy of every layer's CUSUM statistics, one per stream in judging order
+        (:class:`~monitor.core.standardise.Streams`): the evidence gathered so far,
+        which verdicts show only once it crosses a threshold."""
+        return {key: s.copy() for key, s in self._cusum.items()}
+
     # --- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

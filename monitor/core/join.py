@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -60,6 +60,11 @@ class JoinBuffer(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def waiting(self) -> Iterator[tuple[str, int, int]]:
+        """What waits, oldest first: ``("trace" | "outcome", partition, offset)``."""
+        for entry in self._entries.values():
+            yield ("trace" if entry.item is not None else "outcome", entry.partition, entry.offset)
 
     def add_trace(self, request_id: str, item: T, partition: int, offset: int, now: float) -> list[Joined[T]]:
         """A processed trace; joined at once if its outcome is here."""

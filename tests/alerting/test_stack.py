@@ -234,9 +234,14 @@ def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two
 
 
 def test_every_metric_in_rules_and_dashboards_is_really_exposed(stack):
-    monitor = stack[0]
-    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") > 20, timeout=120,
-             what="traces consumed")
+    """Whatever ran before it: the test sends traffic of its own (a healthy revision and
+    a faulty one pinned to it, so that judging and outcome series exist too)."""
+    monitor, _prom, _am, _webhook, topics, bootstrap = stack
+    consumed = monitor.value("attention_monitor_traces_consumed_total")
+    Traffic(bootstrap, topics, HEALTHY, rate=100, requests=30, seed=11).start().thread.join(60)
+    Traffic(bootstrap, topics, COLLAPSED, rate=100, requests=5, seed=12).start().thread.join(60)
+    wait_for(lambda: monitor.value("attention_monitor_traces_consumed_total") >= consumed + 140, timeout=120,
+             what="the test's own traces consumed")
     exposed = exposed_names(monitor)
     records, exprs = rules_and_dashboard_exprs()
     missing = {(where, name) for where, expr in exprs for name in metric_names(expr)

@@ -150,7 +150,8 @@ def test_references_are_bounded_and_the_one_unused_longest_goes():
 def _same_statistics(a: Detector, b: Detector) -> bool:
     """Both detectors hold the same CUSUM statistic for every stream (verdicts alone show
     it only once it crosses)."""
-    return a._cusum.keys() == b._cusum.keys() and all(np.array_equal(a._cusum[k], b._cusum[k]) for k in a._cusum)
+    ours, theirs = a.statistics(), b.statistics()
+    return ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
 
 
 def _same(a: Verdict, b: Verdict) -> bool:

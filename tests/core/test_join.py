@@ -75,7 +75,7 @@ def test_oldest_offsets_match_a_scan_of_what_is_waiting_through_any_sequence_of_
         else:
             buf.drop_partitions([partition])
         scan: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        for entry in buf._entries.values():
-            table = scan[0] if entry.item is not None else scan[1]
-            table[entry.partition] = min(entry.offset, table.get(entry.partition, entry.offset))
+        for kind, partition, offset in buf.waiting():
+            table = scan[0] if kind == "trace" else scan[1]
+            table[partition] = min(offset, table.get(partition, offset))
         assert buf.oldest_offsets() == scan, step

@@ -21,7 +21,7 @@ runner = CliRunner()
 
 def test_derive_reads_bert_names_and_agrees_with_the_live_model(tmp_path):
     model, _ = minilm()
-    folder = Path(model.config._name_or_path)
+    folder = Path(model.name_or_path)
     out = tmp_path / "contract.json"
     result = runner.invoke(app, ["contract", "derive", str(folder / "model.safetensors"), "--config",
                                  str(folder / "config.json"), "--model-id", "all-MiniLM-L6-v2", "-o", str(out)])
@@ -34,7 +34,7 @@ def test_derive_reads_bert_names_and_agrees_with_the_live_model(tmp_path):
 
 def test_a_pattern_that_matches_nothing_says_what_it_tried(tmp_path):
     model, _ = minilm()
-    folder = Path(model.config._name_or_path)
+    folder = Path(model.name_or_path)
     result = runner.invoke(app, ["contract", "derive", str(folder / "model.safetensors"), "--config",
                                  str(folder / "config.json"), "--model-id", "m", "--pattern",
                                  r"blocks\.(?P<layer>\d+)\.attn\.(?P<proj>[qkvo])\.weight$"])
