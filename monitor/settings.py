@@ -75,7 +75,11 @@ class Settings(BaseSettings):
                                   "any lengths, its reference learns before it judges (docs/detection.md)")
     reference_pool: int = Field(DetectorConfig.pool, gt=1, description="traces of the nearest lengths a reference "
                                 "pools to judge one trace")
-    false_alarm_arl: float = Field(DetectorConfig.false_alarm_arl, gt=1)
+    false_alarm_arl: float = Field(DetectorConfig.false_alarm_arl, gt=1, description="expected traces between false "
+                                   "findings (evidence records, which page nothing) per (layer, kind)")
+    false_pages_per_week: float = Field(DetectorConfig.false_pages_per_week, gt=0, description="expected false "
+                                        "pages per model revision and week at its observed request rate (at least "
+                                        "1 a second), split over all the revision's streams (docs/detection.md)")
     min_effect: float = Field(DetectorConfig.min_effect, ge=0)
     reference_pins: CommaList = Field(default_factory=list, description="model@revision=reference_revision, ...")
     incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
@@ -187,7 +191,8 @@ class Settings(BaseSettings):
                 raise ConfigurationError(f"reference pin {entry!r} must be model@revision=reference_revision")
             pins[(model, revision)] = reference
         return DetectorConfig(reference_traces=self.reference_traces, pool=self.reference_pool,
-                              false_alarm_arl=self.false_alarm_arl, min_effect=self.min_effect, pins=pins,
+                              false_alarm_arl=self.false_alarm_arl, false_pages_per_week=self.false_pages_per_week,
+                              min_effect=self.min_effect, pins=pins,
                               max_references=self.max_references)
 
     def kafka_connection(self) -> Connection:

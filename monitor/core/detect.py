@@ -18,25 +18,31 @@ that parks most of its weight on the first token, is judged against its own norm
 
 Decision
     Each observation is standardised against the reference at its length,
-    ``z = (x − μ(L)) / σ(L)`` with ``σ`` floored (``min_sd``) so constant heads do not make
-    noise look huge, signed so that the bad direction is positive (diversity and entropy
+    ``z = (x − μ(L)) / (σ(L) · scale)`` with ``σ`` floored (``min_sd``) so constant heads
+    do not make noise look huge, ``scale`` the reference's calibrated scale
+    (:mod:`monitor.core.calibration`: how much wider its errors are on traces it did not
+    learn from), signed so that the bad direction is positive (diversity and entropy
     down, concentration up, sink share either way), and clipped at ``clip`` so that no
-    single heavy-tailed outlier decides alone. A one-sided CUSUM ``S ← max(0, S + z − k)``
-    with ``k = shift / 2`` accumulates evidence; an anomaly is raised when ``S > h`` *and*
-    the trace's own effect size ``z ≥ min_effect``, then ``S`` restarts at 0. With the
-    defaults, three traces whose layer diversity falls 4 sd raise low diversity, never
-    fewer; per-head streams take three or four traces at 4 sd; a 1 sd shift takes tens.
+    single heavy-tailed outlier decides alone. Each stream feeds two one-sided CUSUMs
+    ``S ← max(0, S + z − k)`` with ``k = shift / 2``. The *finding* CUSUM raises an
+    anomaly record (evidence) when it crosses ``h`` and the trace's own effect size
+    ``z ≥ min_effect``; the *page* CUSUM, with a higher threshold, marks the anomaly
+    ``pages`` when it crosses (the incident tracker opens an incident on it); each
+    restarts at 0 when it crosses. With the defaults a collapse of 10 sd is a finding
+    after six traces and pages after nine; a 1 sd shift takes tens of traces.
 
 Calibration
-    ``h`` is chosen so that the in-control average run length (expected traces between
-    false alarms) of one (layer, kind) equals ``false_alarm_arl``, using Siegmund's
-    approximation for a CUSUM of unit-variance normal increments,
-    ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)`` with ``b = h + 1.166``. Head kinds have one
-    stream per head, each calibrated to ``H · false_alarm_arl`` (and a two-sided sink test
-    to twice that per side), so the rate per (layer, kind) stays at the target; low
-    diversity has the layer's stream and the heads' similarity streams, so at most twice
-    that. The effect-size gate only removes alarms, so the realised rate is at most that.
-    The defaults were chosen on realistic traffic (``benchmarks/detection_eval.py``).
+    Findings: ``h`` makes the in-control average run length (expected traces between
+    false findings) of one (layer, kind) ``false_alarm_arl``, by Siegmund's approximation
+    for a CUSUM of unit-variance normal increments, ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)``
+    with ``b = h + 1.166``: head kinds have one stream per head, each calibrated to
+    ``H · false_alarm_arl`` (a two-sided sink test to twice that per side); low diversity
+    has the layer's stream and the heads' similarity streams. Pages: every stream of a
+    revision gets the run length that spends ``false_pages_per_week`` over all of the
+    revision's streams at its observed request rate (at least 1 a second;
+    :func:`~monitor.core.calibration.page_arl`). The effect-size gate only removes
+    alarms, so the realised rates are at most those. The defaults were chosen on real
+    traffic of a real checkpoint (``benchmarks/soak.py``, ``docs/detection.md``).
 
 Many traces at once
     Standardising a trace is array work that does not depend on the traces before it
@@ -50,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,28 +64,36 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from monitor.core.calibration import RATE_FLOOR, cross_fitted_scale, page_arl
 from monitor.core.converging import named_heads
 from monitor.core.metrics import HeadMetrics
 from monitor.core.reference import LengthReference
 from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
 
 KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift")
-STATE_VERSION = 2
+STATE_VERSION = 3
+#: timestamps kept per layer to measure its request rate
+RATE_WINDOW = 128
 LayerKey = tuple[str, str, int]  # model, revision, layer
 Revision = tuple[str, str]  # model, revision
 
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    reference_traces: int = 100
+    reference_traces: int = 200
     #: observations a length-aware fit pools at least (nearest lengths first)
-    pool: int = 40
-    false_alarm_arl: float = 100_000.0
+    pool: int = 60
+    #: expected traces between false findings (evidence records) per (layer, kind)
+    false_alarm_arl: float = 1_000_000.0
+    #: expected false pages per model revision and week, at its observed request rate
+    false_pages_per_week: float = 0.05
     shift: float = 1.0
     min_effect: float = 1.0
     #: standardised observations are clipped to ±clip before they enter the CUSUM, so one
     #: heavy-tailed outlier cannot cross the threshold alone (real head metrics are not normal)
-    clip: float = 4.0
+    clip: float = 3.0
+    #: folds of the reference's own traces that measure its scale (0: no calibration)
+    calibration_folds: int = 5
     min_sd: Mapping[str, float] = field(default_factory=lambda: {
         "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02, "similarity": 0.01})
     #: a low-diversity finding names the heads whose similarity to their nearest other head rose this many sd
@@ -101,6 +115,7 @@ class Observation:
     key_count: int
     heads: tuple[str, ...]
     metrics: HeadMetrics
+    timestamp: float = 0.0  #: the trace's time (seconds since the epoch; 0: unknown), for the request rate
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class Anomaly:
     effect: float  #: standardised effect size of this trace, bad direction positive
     score: float  #: the CUSUM statistic that crossed the threshold
     reference_revision: str
+    pages: bool = False  #: the evidence crossed the page threshold (an incident opens on it)
 
 
 @dataclass(frozen=True)
@@ -169,6 +185,13 @@ class Decision:
         return {"pinned_to": self.pinned_to, "source": self.source, "at": self.at}
 
 
+def _rounded_up(rate: float | None) -> float:
+    """A request rate rounded up to a quarter octave (thresholds then take few values)."""
+    if rate is None or rate <= RATE_FLOOR:
+        return RATE_FLOOR
+    return float(2.0 ** (math.ceil(math.log2(rate) * 4) / 4))
+
+
 @functools.lru_cache(maxsize=256)
 def cusum_threshold(arl: float, k: float) -> float:
     """``h`` with Siegmund's in-control ARL of a one-sided CUSUM equal to ``arl``."""
@@ -196,7 +219,12 @@ class Detector:
         self.references: OrderedDict[LayerKey, LengthReference] = OrderedDict()  #: least recently used first
         self.decisions: dict[Revision, Decision] = {
             pair: Decision(reference, "settings", 0.0) for pair, reference in self.config.pins.items()}
-        self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: CUSUM of every stream of a layer
+        self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: finding CUSUM of every stream of a layer
+        self._page_cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: page CUSUM of every stream of a layer
+        self._times: dict[LayerKey, deque[float]] = {}  #: the layer's latest trace timestamps (its request rate)
+        #: per layer: (references' version, traces timed, page threshold) when last worked out
+        self._page_h: dict[LayerKey, tuple[int, int, float]] = {}
+        self._references_version = 0  #: counts changes of the set of references (page thresholds depend on it)
         self._announced: set[tuple[str, LayerKey]] = set()
         self._k = self.config.shift / 2
         self._streams: dict[int, Streams] = {}  #: by head count
@@ -218,8 +246,7 @@ class Detector:
         self.decisions[(model, revision)] = Decision(None, "promote", at)
         for key in [k for k in self.references if k[:2] == (model, revision)]:
             del self.references[key]
-            self._cusum.pop(key, None)
-            self._announced = {a for a in self._announced if a[1] != key}
+            self._forget_layer(key)
 
     # --- observations -------------------------------------------------------------------
 
@@ -264,12 +291,16 @@ class Detector:
             if ref is None or ref.streams != values.size:
                 evicted = self._make_room()
                 ref = self.references[own_key] = LengthReference(values.size)
+                self._references_version += 1
             if ref.traces < self.config.reference_traces:
                 ref.update(obs.key_count, values)
                 ref.update_matrix(obs.metrics.similarity)
+                ref.samples.append((obs.key_count, np.array(values, dtype=np.float64)))
                 if ref.traces == self.config.reference_traces:
+                    self._calibrate(ref, h)
+                    scale = "" if ref.scale is None else f"; effects scaled by {float(ref.scale.max()):.2f} at most"
                     events.append(f"reference of {obs.model} {obs.revision} layer {obs.layer} ready "
-                                  f"({ref.traces} traces)")
+                                  f"({ref.traces} traces{scale})")
                 return Verdict([], None, True, ref.traces, ref.traces >= self.config.reference_traces,
                                tuple(events), evicted)
         judge_key = (obs.model, judge_revision, obs.layer)
@@ -286,6 +317,8 @@ class Detector:
         table, row = ahead.standardised, ahead.row
         if table is None or table.references[row] is not ref:  # it became ready since
             table, row = self._standardise([ref], [obs.key_count], values[None]), 0
+        if obs.timestamp > 0:
+            self._times.setdefault(own_key, deque(maxlen=RATE_WINDOW)).append(obs.timestamp)
         anomalies, evidence = self._judge(own_key, ref, obs, table, row, h, judge_revision)
         return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events), evidence=evidence)
 
@@ -305,10 +338,16 @@ class Detector:
         evicted = 0
         while len(self.references) >= self.config.max_references:
             key, _ = self.references.popitem(last=False)
-            self._cusum.pop(key, None)
-            self._announced = {a for a in self._announced if a[1] != key}
+            self._forget_layer(key)
             evicted += 1
         return evicted
+
+    def _forget_layer(self, key: LayerKey) -> None:
+        self._references_version += 1
+        self._cusum.pop(key, None)
+        self._page_cusum.pop(key, None)
+        self._times.pop(key, None)
+        self._announced = {a for a in self._announced if a[1] != key}
 
     def _announce(self, what: str, key: LayerKey) -> bool:
         if (what, key) in self._announced:
@@ -332,42 +371,42 @@ class Detector:
 
     def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, table: Standardised, row: int,
                h: int, ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
-        """Every stream of the layer in one vector. Low diversity: layer diversity down,
-        and each head's similarity to its nearest other head up (a group of heads turning into
-        copies of each other may barely move the layer's mean); then per head entropy
-        down, concentration up, sink share up and sink share down. A low-diversity
-        finding names the heads whose nearest-neighbour similarity rose, and those of the
-        pairs whose similarity rose most above the reference's mean matrix."""
+        """Every stream of the layer in one vector, in both CUSUMs. Low diversity: layer
+        diversity down, and each head's similarity to its nearest other head up (a group
+        of heads turning into copies of each other may barely move the layer's mean); then
+        per head entropy down, concentration up, sink share up and sink share down. A
+        low-diversity finding names the heads whose nearest-neighbour similarity rose, and
+        those of the pairs whose similarity rose most above the reference's mean matrix."""
         c = self.config
         streams = self._stream_table(h)
         step = table.step[row]
-        old = self._cusum.get(key)
-        if old is None or old.shape != step.shape:
-            old = np.zeros_like(step)
-            while len(self._cusum) >= 2 * self.config.max_references:
-                del self._cusum[next(iter(self._cusum))]
-        s = np.maximum(0.0, old + step)
-        hit = (s > streams.thresholds) & table.large[row]
-        if not hit.any():
-            self._cusum[key] = s
+        s = np.maximum(0.0, self._statistic(self._cusum, key, step) + step)
+        p = np.maximum(0.0, self._statistic(self._page_cusum, key, step) + step)
+        large = table.large[row]
+        hit = (s > streams.thresholds) & large
+        paged = (p > self.page_threshold(key, ref_revision)) & large
+        if not (hit.any() or paged.any()):
+            self._cusum[key], self._page_cusum[key] = s, p
             return [], None
         x, mean, z = table.x[row], table.mean[row], table.z[row]
         found = []
-        if hit[: 1 + h].any():
-            strongest = int(np.argmax(np.where(hit[: 1 + h], z[: 1 + h], -np.inf)))
-            core = {i for i in range(h) if hit[1 + i] or z[1 + i] >= c.head_z}
+        either = hit | paged
+        if either[: 1 + h].any():
+            strongest = int(np.argmax(np.where(either[: 1 + h], z[: 1 + h], -np.inf)))
+            core = {i for i in range(h) if either[1 + i] or z[1 + i] >= c.head_z}
             m = obs.metrics
             heads = named_heads(obs.heads, core, z[1 : 1 + h], m.similarity, ref.mean_matrix())
-            score = float(s[: 1 + h][hit[: 1 + h]].max())
+            score = float(np.maximum(s, p)[: 1 + h][either[: 1 + h]].max())
             found.append(Anomaly("low_diversity", obs.layer, heads, float(m.diversity), float(mean[0]),
-                                 float(z[strongest]), score, ref_revision))
+                                 float(z[strongest]), score, ref_revision, bool(paged[: 1 + h].any())))
         kinds = ("entropy_collapse", "concentration_spike", "sink_shift", "sink_shift")
-        for i in np.flatnonzero(hit[1 + h :]).tolist():
+        for i in np.flatnonzero(either[1 + h :]).tolist():
             j = 1 + h + i
             found.append(Anomaly(kinds[i // h], obs.layer, (obs.heads[i % h],), float(x[j]), float(mean[j]),
-                                 float(z[j]), float(s[j]), ref_revision))
+                                 float(z[j]), float(max(s[j], p[j])), ref_revision, bool(paged[j])))
         s[hit] = 0.0
-        self._cusum[key] = s
+        p[paged] = 0.0
+        self._cusum[key], self._page_cusum[key] = s, p
         band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
         fit_mean, sd = table.value_mean[row], table.value_sd[row]
         m = obs.metrics
@@ -377,14 +416,60 @@ class Detector:
                             (float(m.diversity), float(fit_mean[0]), float(sd[0])))
         return found, evidence
 
+    def _statistic(self, table: dict[LayerKey, NDArray[np.float64]], key: LayerKey,
+                   like: NDArray[np.float64]) -> NDArray[np.float64]:
+        """A layer's CUSUM statistics (zeros the first time; bounded in number)."""
+        old = table.get(key)
+        if old is None or old.shape != like.shape:
+            old = np.zeros_like(like)
+            while len(table) >= 2 * self.config.max_references:
+                del table[next(iter(table))]
+        return old
+
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
 
+    def page_threshold(self, key: LayerKey, ref_revision: str) -> float:
+        """Every stream's page threshold for the revision of ``key``: the false-page
+        budget split over all the streams of the reference revision's layers, at the
+        layer's observed request rate rounded up to a quarter octave. Worked out again
+        when the references change or every ``RATE_WINDOW / 8`` traces."""
+        timed = len(self._times.get(key, ()))
+        cached = self._page_h.get(key)
+        if cached is not None and cached[0] == self._references_version and abs(cached[1] - timed) < RATE_WINDOW // 8:
+            return cached[2]
+        model = key[0]
+        streams = sum(1 + 5 * ((r.streams - 1) // 4) for k, r in self.references.items()
+                      if k[0] == model and k[1] == ref_revision)
+        arl = page_arl(streams, _rounded_up(self.rate(key)), self.config.false_pages_per_week)
+        h = cusum_threshold(max(arl, 2.0), self._k)  # a budget beyond a page a trace: every crossing pages
+        if len(self._page_h) >= 2 * self.config.max_references:
+            self._page_h.clear()
+        self._page_h[key] = (self._references_version, timed, h)
+        return h
+
+    def rate(self, key: LayerKey) -> float | None:
+        """The layer's request rate (traces a second) over its latest judged traces, from
+        their timestamps; None before two distinct ones."""
+        times = self._times.get(key)
+        if not times or len(times) < 2:
+            return None
+        span = max(times) - min(times)
+        return (len(times) - 1) / span if span > 0 else None
+
+    def _calibrate(self, ref: LengthReference, h: int) -> None:
+        """Measure the ready reference's scale on its own traces, held out in folds."""
+        c = self.config
+        if c.calibration_folds:
+            ref.scale = cross_fitted_scale(self._stream_table(h), ref.samples, pool=min(c.pool, c.reference_traces),
+                                           clip=c.clip, folds=c.calibration_folds)
+        ref.samples = []
+
     def statistics(self) -> dict[LayerKey, NDArray[np.float64]]:
-        """A copy of every layer's CUSUM statistics, one per stream in judging order
-        (:class:`~monitor.core.standardise.Streams`): the evidence gathered so far,
-        which verdicts show only once it crosses a threshold."""
-        return {key: s.copy() for key, s in self._cusum.items()}
+        """A copy of every layer's CUSUM statistics, ``[2, streams]``: the finding and the
+        page CUSUM of each stream in judging order (:class:`~monitor.core.standardise.Streams`):
+        the evidence gathered so far, which verdicts show only once it crosses a threshold."""
+        return {key: np.stack([s, self._page_cusum.get(key, np.zeros_like(s))]) for key, s in self._cusum.items()}
 
     # --- state --------------------------------------------------------------------------
 
@@ -412,7 +497,11 @@ class Detector:
             key = (str(model), str(revision), int(layer))
             other_ref = LengthReference.from_dict(item["reference"])
             mine_ref = self.references.get(key)
-            self.references[key] = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
-                                    else mine_ref.merge(other_ref))
+            merged = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
+                      else mine_ref.merge(other_ref))
+            if merged.scale is None and merged.traces >= self.config.reference_traces:
+                self._calibrate(merged, (merged.streams - 1) // 4)  # two halves that made a ready reference
+            self.references[key] = merged
+        self._references_version += 1
         while len(self.references) > self.config.max_references:
             self.references.popitem(last=False)

@@ -1,16 +1,24 @@
-"""Incidents: one per (model, revision, layer, kind family), the unit on-call pages on.
+"""Incidents: what on-call is paged for, one per fault of a model revision.
 
-Anomaly records are evidence, and one fault raises many of them: a collapsing layer
-flags low diversity on trace after trace, and the heads that collapse also shift their
-entropy and concentration. An incident opens on the first anomaly of its family, keeps
-the strongest evidence and counts the rest, names the heads really involved (those that
-recur in its findings), and closes after ``quiet`` seconds without a new anomaly.
+Findings (anomaly records) are evidence; most never page. An incident opens only on a
+finding whose evidence crossed the *page* threshold (``Anomaly.pages``, calibrated to the
+false-page budget: :mod:`monitor.core.detect`), and one fault gives one incident, whose
+key is the (model, revision): the layer and family of that first paging finding are the
+incident's *primary* and never change while it is open, so its alert keeps its labels.
+
+A fault on one layer changes the layers after it too (through the residual stream), and
+one layer's fault shows in several kinds of finding. While an incident is open, every
+finding of the revision is counted in it: on the primary layer, findings of the primary
+family are its evidence (heads named are those in the findings of at least
+``HEAD_SHARE`` of its traces) and
+the other kinds its side effects; on any other layer they are annotations
+(``also_changed``: downstream after the primary layer, upstream before it), paging or
+not. A finding of a layer's first annotation, or of an annotation's first page,
+updates the incident record. The incident closes after ``quiet`` seconds without a
+finding of its revision.
 
 Families: ``diversity`` (``low_diversity``) and ``head`` (``entropy_collapse``,
-``concentration_spike``, ``sink_shift``). One fault gives one page: while a diversity
-incident is open on a layer, head-family findings on that layer are its side effects
-(counted in it) and open no incident of their own, and a head incident already open on
-the layer is closed into it.
+``concentration_spike``, ``sink_shift``).
 """
 
 from __future__ import annotations
@@ -24,55 +32,73 @@ from monitor.core.detect import Anomaly
 FAMILY = {"low_diversity": "diversity", "entropy_collapse": "head", "concentration_spike": "head",
           "sink_shift": "head"}
 FAMILIES = ("diversity", "head")
-#: heads named by an incident: those in at least this share of its findings
+#: heads named by an incident: those in at least this share of its primary findings
 HEAD_SHARE = 0.5
-IncidentKey = tuple[str, str, int, str]  # model, revision, layer, family
+RevisionKey = tuple[str, str]  # model, revision
+
+
+@dataclass
+class Annotation:
+    """Another layer of the revision that changed while the incident was open."""
+
+    layer: int
+    relation: str  #: "downstream" (after the primary layer) or "upstream" (before it)
+    findings: int = 0
+    paged: bool = False  #: its evidence crossed the page threshold too
+    kinds: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> dict[str, Any]:
+        return {"layer": self.layer, "relation": self.relation, "findings": self.findings, "paged": self.paged,
+                "kinds": dict(self.kinds)}
 
 
 @dataclass
 class Incident:
-    key: IncidentKey
+    key: RevisionKey
+    layer: int  #: the primary layer: the first whose evidence paged
+    family: str  #: the primary family
     opened_at: float
     last_at: float
     opened_wall: float  #: seconds since the epoch, for records
-    anomalies: int = 0
-    traces: int = 0
+    anomalies: int = 0  #: findings of the primary family on the primary layer
+    traces: int = 0  #: traces of the primary layer with such a finding
     kinds: Counter[str] = field(default_factory=Counter)
-    heads: Counter[str] = field(default_factory=Counter)
-    side_effects: Counter[str] = field(default_factory=Counter)
-    strongest: dict[str, Any] = field(default_factory=dict)  #: the anomaly record of the largest effect
+    heads: Counter[str] = field(default_factory=Counter)  #: of those traces, how many named each head
+    side_effects: Counter[str] = field(default_factory=Counter)  #: other kinds on the primary layer
+    also_changed: dict[int, Annotation] = field(default_factory=dict)
+    strongest: dict[str, Any] = field(default_factory=dict)  #: the primary finding of the largest effect
     reference_revision: str = ""
     closed_at: float | None = None
-    merged_into: str | None = None
 
     @property
     def id(self) -> str:
-        model, revision, layer, family = self.key
-        return f"{model}@{revision}/layer-{layer}/{family}/{int(self.opened_wall * 1000)}"
+        model, revision = self.key
+        return f"{model}@{revision}/layer-{self.layer}/{self.family}/{int(self.opened_wall * 1000)}"
 
     def involved(self) -> list[str]:
-        """Heads named in at least ``HEAD_SHARE`` of the findings, most often first."""
-        if not self.anomalies:
+        """Heads named in at least ``HEAD_SHARE`` of the primary traces' findings, most
+        often first (a head finding names one head; a trace may raise several)."""
+        if not self.traces:
             return []
-        return [h for h, n in self.heads.most_common() if n >= HEAD_SHARE * self.anomalies]
+        return [h for h, n in self.heads.most_common() if n >= HEAD_SHARE * self.traces]
 
     def summary(self) -> dict[str, Any]:
-        model, revision, layer, family = self.key
+        model, revision = self.key
         return {
-            "incident_id": self.id, "model_id": model, "model_revision": revision, "layer": layer, "family": family,
-            "reference_revision": self.reference_revision, "opened_at": self.opened_wall,
+            "incident_id": self.id, "model_id": model, "model_revision": revision, "layer": self.layer,
+            "family": self.family, "reference_revision": self.reference_revision, "opened_at": self.opened_wall,
             "state": "closed" if self.closed_at is not None else "open", "anomalies": self.anomalies,
             "traces": self.traces, "kinds": dict(self.kinds), "heads": self.involved(),
             "head_counts": dict(self.heads), "side_effects": dict(self.side_effects), "strongest": self.strongest,
-            "merged_into": self.merged_into,
+            "also_changed": [a.summary() for _, a in sorted(self.also_changed.items())],
         }
 
 
 @dataclass(frozen=True)
 class Change:
-    """An incident opened, or closed (by quiet, or into a diversity incident)."""
+    """An incident opened, updated (a layer annotated, or an annotation paged) or closed."""
 
-    what: str  #: "opened" or "closed"
+    what: str  #: "opened", "updated" or "closed"
     incident: Incident
 
 
@@ -82,44 +108,49 @@ class IncidentTracker:
             raise ValueError("the quiet period must be positive")
         self.quiet = quiet
         self.max_open = max_open
-        self.open: dict[IncidentKey, Incident] = {}
+        self.open: dict[RevisionKey, Incident] = {}
 
     def observe(self, model: str, revision: str, layer: int, anomalies: list[Anomaly],
                 records: list[dict[str, Any]], now: float, wall: float) -> list[Change]:
-        """Account for one trace's anomalies (``records`` are their published records,
-        in the same order); returns the incidents opened or closed by it."""
+        """Account for one trace's findings (``records`` are their published records, in
+        the same order); returns what changed."""
+        key = (model, revision)
+        incident = self.open.get(key)
         changes: list[Change] = []
-        touched: set[IncidentKey] = set()
-        ordered = sorted(zip(anomalies, records, strict=True), key=lambda pair: FAMILY[pair[0].kind] != "diversity")
-        for anomaly, record in ordered:
-            family = FAMILY[anomaly.kind]
-            diversity = self.open.get((model, revision, layer, "diversity"))
-            if family == "head" and diversity is not None:
-                diversity.side_effects[anomaly.kind] += 1
-                diversity.last_at = now
-                continue
-            key = (model, revision, layer, family)
-            incident = self.open.get(key)
-            if incident is None:
-                if len(self.open) >= self.max_open:
-                    continue  # bounded: findings beyond the cap stay evidence only
-                incident = self.open[key] = Incident(key, now, now, wall, reference_revision=anomaly.reference_revision)
-                changes.append(Change("opened", incident))
-                if family == "diversity":
-                    head = self.open.pop((model, revision, layer, "head"), None)
-                    if head is not None:
-                        head.closed_at, head.merged_into = now, incident.id
-                        incident.side_effects.update(head.kinds)
-                        changes.append(Change("closed", head))
+        if not anomalies:
+            return changes
+        if incident is None:
+            paging = [(a, r) for a, r in zip(anomalies, records, strict=True) if a.pages]
+            if not paging or len(self.open) >= self.max_open:
+                return changes  # evidence only (bounded: beyond the cap, findings stay evidence)
+            first, _ = min(paging, key=lambda pair: FAMILY[pair[0].kind] != "diversity")
+            incident = self.open[key] = Incident(key, layer, FAMILY[first.kind], now, now, wall,
+                                                 reference_revision=first.reference_revision)
+            changes.append(Change("opened", incident))
+        incident.last_at = now
+        if layer != incident.layer:
+            note = incident.also_changed.get(layer)
+            fresh = note is None
+            if note is None:
+                note = incident.also_changed[layer] = Annotation(
+                    layer, "downstream" if layer > incident.layer else "upstream")
+            newly_paged = not note.paged and any(a.pages for a in anomalies)
+            note.findings += len(anomalies)
+            note.kinds.update(a.kind for a in anomalies)
+            note.paged |= newly_paged
+            if (fresh or newly_paged) and not changes:
+                changes.append(Change("updated", incident))
+            return changes
+        primary = [(a, r) for a, r in zip(anomalies, records, strict=True) if FAMILY[a.kind] == incident.family]
+        incident.side_effects.update(a.kind for a in anomalies if FAMILY[a.kind] != incident.family)
+        incident.heads.update(dict.fromkeys(h for anomaly, _ in primary for h in anomaly.heads).keys())
+        for anomaly, record in primary:
             incident.anomalies += 1
             incident.kinds[anomaly.kind] += 1
-            incident.heads.update(anomaly.heads)
-            incident.last_at = now
-            if key not in touched:
-                incident.traces += 1
-                touched.add(key)
             if not incident.strongest or anomaly.effect > incident.strongest.get("effect_size", float("-inf")):
                 incident.strongest = record
+        if primary:
+            incident.traces += 1
         return changes
 
     def expire(self, now: float) -> list[Change]:

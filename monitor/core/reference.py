@@ -20,6 +20,9 @@ them: instances and restarts combine exactly.
 
 Beside the streams, a reference keeps the layer's mean head-similarity matrix (over all
 lengths): not used to judge, but what the triage page shows a trace's matrix against.
+While it learns it also keeps each trace's values (``samples``), from which, once it is
+ready, the detector measures how far to trust its deviations (``scale``, per stream in
+judging order: :mod:`monitor.core.calibration`); then the samples go.
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class LengthReference:
         #: sum of the learnt traces' head-similarity matrices (NaN entries skipped), and counts
         self.matrix_sum: NDArray[np.float64] | None = None
         self.matrix_n: NDArray[np.float64] | None = None
+        #: the learnt traces' (key count, values), kept until the reference is calibrated
+        self.samples: list[tuple[int, NDArray[np.float64]]] = []
+        #: per stream in judging order, what its effects are divided by (None: not calibrated)
+        self.scale: NDArray[np.float64] | None = None
 
     def update(self, key_count: int, values: ArrayLike) -> None:
         """Add one trace's value of every stream (NaN: the stream skips this trace)."""
@@ -128,6 +135,9 @@ class LengthReference:
             for b, sums in source.bins.items():
                 merged.bins[b] = merged.bins[b] + sums if b in merged.bins else sums.copy()
         merged.traces = self.traces + other.traces
+        merged.samples = [*self.samples, *other.samples]
+        scales = [r.scale for r in (self, other) if r.scale is not None]
+        merged.scale = np.maximum.reduce(scales) if scales else None
         for source in (self, other):
             total, n = source.matrix_sum, source.matrix_n
             if total is None or n is None:
@@ -178,6 +188,10 @@ class LengthReference:
                                "bins": {str(b): sums.tolist() for b, sums in sorted(self.bins.items())}}
         if self.matrix_sum is not None and self.matrix_n is not None:
             doc["matrix"] = {"sum": self.matrix_sum.tolist(), "n": self.matrix_n.tolist()}
+        if self.samples:
+            doc["samples"] = [[k, [x if math.isfinite(x) else None for x in v.tolist()]] for k, v in self.samples]
+        if self.scale is not None:
+            doc["scale"] = self.scale.tolist()
         return doc
 
     @classmethod
@@ -195,6 +209,13 @@ class LengthReference:
             if total.shape != n.shape or total.ndim != 2 or total.shape[0] != total.shape[1]:
                 raise ValueError(f"mean matrix of shape {total.shape} and counts {n.shape}: not square and alike")
             ref.matrix_sum, ref.matrix_n = total, n
+        for k, values in doc.get("samples", []):
+            sample = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+            if sample.shape != (ref.streams,):
+                raise ValueError(f"a sample holds {sample.shape} values, expected {ref.streams}")
+            ref.samples.append((int(k), sample))
+        if "scale" in doc:
+            ref.scale = np.asarray(doc["scale"], dtype=np.float64)
         return ref
 
 

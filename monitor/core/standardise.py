@@ -110,11 +110,15 @@ def standardise(streams: Streams, references: Sequence[LengthReference], key_cou
                 values: NDArray[np.float64], *, pool: int, clip: float, k: float,
                 min_effect: float) -> Standardised:
     """Row ``i``: ``values[i]`` (``1 + 4H`` values of a trace of ``key_counts[i]`` keys)
-    against ``references[i]``, pooled over at least ``pool`` observations. A NaN deviation
-    (too few observations) takes the floor."""
+    against ``references[i]``, pooled over at least ``pool`` observations, each effect
+    divided by the reference's calibrated ``scale`` when it has one. A NaN deviation (too
+    few observations) takes the floor."""
     fit_mean, fit_sd = fits(references, key_counts, pool)
     sd = np.fmax(fit_sd, streams.floors)
     x, mean, dev = values[:, streams.pick], fit_mean[:, streams.pick], sd[:, streams.pick]
+    if any(ref.scale is not None for ref in references):
+        ones = np.ones(len(streams.pick))
+        dev = dev * np.stack([ones if ref.scale is None else ref.scale for ref in references])
     seen = np.isfinite(x) & np.isfinite(mean)
     z = np.where(seen, streams.sign * (x - np.where(seen, mean, 0.0)) / dev, 0.0)
     step = np.where(seen, np.minimum(z, clip) - k, 0.0)

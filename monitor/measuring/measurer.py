@@ -52,7 +52,8 @@ class Observed:
     def observation(self) -> Observation:
         """What the detector judges."""
         i = self.identity
-        return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics)
+        return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics,
+                           i.trace_timestamp)
 
 
 @dataclass(frozen=True)

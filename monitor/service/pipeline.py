@@ -183,21 +183,28 @@ class Pipeline:
         return outputs + self._emit(joined)
 
     def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
-        """Incident records (opened, closed) for the anomalies topic, and the gauges."""
+        """Incident records (opened, updated, closed) for the anomalies topic, and the
+        gauges of the incident's primary layer."""
         out = []
         for change in changes:
-            model, revision, layer, family = change.incident.key
-            series = self.metrics.layer(model, revision, layer)
-            series.incident_open[family].set(1 if change.what == "opened" else 0)
+            incident = change.incident
+            model, revision = incident.key
+            series = self.metrics.layer(model, revision, incident.layer)
             if change.what == "opened":
-                series.incidents[family].inc()
-                log.warning("incident opened: %s", change.incident.id)
+                series.incident_open[incident.family].set(1)
+                series.incidents[incident.family].inc()
+                log.warning("incident opened: %s", incident.id)
+            elif change.what == "closed":
+                series.incident_open[incident.family].set(0)
+                log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
             else:
-                log.info("incident closed: %s (%d anomalies)", change.incident.id, change.incident.anomalies)
-            doc = incident_record(change.incident.summary(), change.what, self._wall())
+                layers = ", ".join(f"{a.layer} ({a.relation}{', paged' if a.paged else ''})"
+                                   for _, a in sorted(incident.also_changed.items()))
+                log.info("incident %s: other layers changed too: %s", incident.id, layers)
+            doc = incident_record(incident.summary(), change.what, self._wall())
             source = (self.topics.traces, record.partition, record.offset) if record is not None else ("", -1, -1)
-            out.append(Output(self.topics.anomalies, change.incident.id.encode(),
-                              json.dumps(doc, sort_keys=True).encode(), source))
+            out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
+                              source))
         return out
 
     def _outcome(self, record: Record) -> list[Output]:

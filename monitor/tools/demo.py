@@ -163,10 +163,11 @@ def summary(result: DemoResult, registry: CollectorRegistry) -> str:
     lines += ["", f"Incidents (what on-call is paged for): {len(opened)}"]
     for i in opened:
         final = closed.get(i["incident_id"], i)
-        merged = f", merged into {final['merged_into']}" if final.get("merged_into") else ""
+        others = ", ".join(str(a["layer"]) for a in final.get("also_changed", []))
         lines.append(f"  {i['model_revision']} layer {i['layer']} {i['family']:<9} {final['anomalies']:>4} findings "
                      f"on {final['traces']} traces, heads {','.join(final['heads']) or '-'}; side effects "
-                     + (", ".join(f"{k}={v}" for k, v in sorted(final["side_effects"].items())) or "none") + merged)
+                     + (", ".join(f"{k}={v}" for k, v in sorted(final["side_effects"].items())) or "none")
+                     + (f"; layers {others} changed too" if others else ""))
     by_kind = Counter((a["model_revision"], a["layer"], a["kind"]) for a in result.anomalies)
     lines += ["", f"Anomalies raised (the incidents' evidence): {len(result.anomalies)}"]
     for (revision, layer, kind), n in sorted(by_kind.items()):

@@ -3,9 +3,10 @@ head labels stay readable and searchable; no external fonts or images).
 
 Heatmaps: the trace's head-similarity matrix, the reference's mean matrix and their
 difference, head ids on both axes, the cells between involved heads outlined (each
-outline an SVG group ``involved-<head>-<head>``). Timelines: each involved head's
-entropy, concentration and sink share on its anomalous traces, against the reference
-band (mean ± 2 sd at the trace's length)."""
+outline an SVG group ``involved-<head>-<head>``). Timelines, as small multiples (a row
+per head, a column per metric): each involved head's entropy, concentration and sink
+share on its anomalous traces, against its reference band (mean ± 2 sd at the trace's
+length). The page scales every chart to its width (``base.html.j2``)."""
 
 from __future__ import annotations
 
@@ -86,27 +87,42 @@ def _outline(ax: Any, heads: list[str], involved: list[str]) -> None:
 
 
 def timelines(series: dict[str, dict[str, list[Point]]]) -> str:
-    """One panel per metric; per head a line of its values and its band."""
+    """Small multiples: one row per head, one column per metric; in each panel the head's
+    values on its anomalous traces against its own reference band, so no head's band
+    hides another's. Each panel is an SVG group ``timeline-<head>-<metric>``."""
     metrics = [m for m in series if series[m]]
+    heads = sorted({head for m in metrics for head in series[m]}, key=_head_order)
     with plt.rc_context(STYLE):
-        figure, axes = plt.subplots(len(metrics) or 1, 1, figsize=(8.0, 2.3 * max(len(metrics), 1)),
-                                    sharex=True, squeeze=False)
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for ax, metric in zip(axes[:, 0], metrics, strict=False):
-            for n, (head, points) in enumerate(sorted(series[metric].items())):
+        rows, columns = max(len(heads), 1), max(len(metrics), 1)
+        figure, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 1.45 * rows + 0.6), sharex=True,
+                                    squeeze=False, layout="constrained")
+        for row, head in enumerate(heads):
+            for column, metric in enumerate(metrics):
+                ax = axes[row][column]
+                ax.set_gid(f"timeline-{head}-{metric}")
+                points = series[metric].get(head, [])
                 at = [datetime.fromtimestamp(p.at, UTC) for p in points]
                 mean = np.array([p.mean for p in points])
                 sd = np.array([p.sd for p in points])
-                color = colors[n % len(colors)]
-                ax.fill_between(at, mean - 2 * sd, mean + 2 * sd, color=color, alpha=0.15, linewidth=0)
-                ax.plot(at, [p.value for p in points], marker="o", markersize=3, color=color, label=head)
-            ax.set_ylabel(LABELS.get(metric, metric))
-            locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
-            ax.xaxis.set_major_locator(locator)
-            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
-            ax.legend(loc="upper left", fontsize=7, ncols=min(6, len(series[metric])))
-        if not metrics:
+                ax.fill_between(at, mean - 2 * sd, mean + 2 * sd, color="#1f77b4", alpha=0.18, linewidth=0)
+                ax.plot(at, [p.value for p in points], marker="o", markersize=3, color="#c0392b")
+                if row == 0:
+                    ax.set_title(LABELS.get(metric, metric))
+                if column == 0:
+                    ax.set_ylabel(head, rotation=0, ha="right", va="center", fontweight="bold")
+                locator = mdates.AutoDateLocator(maxticks=4)  # type: ignore[no-untyped-call]
+                ax.xaxis.set_major_locator(locator)
+                ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+                ax.tick_params(labelsize=7)
+        if not heads or not metrics:
             axes[0][0].text(0.5, 0.5, "no per-head evidence in the records", ha="center", va="center")
             axes[0][0].set_axis_off()
-        axes[-1][0].set_xlabel("detected at (UTC); bands: reference mean ± 2 sd at each trace's length")
+        figure.supxlabel("detected at (UTC); red: the head's value on each anomalous trace; blue: its reference "
+                         "mean ± 2 sd at that trace's length", fontsize=8)
         return _svg(figure)
+
+
+def _head_order(head: str) -> tuple[int, str]:
+    """``head-10`` after ``head-9``."""
+    prefix, _, number = head.rpartition("-")
+    return (int(number), prefix) if number.isdigit() else (1 << 30, head)

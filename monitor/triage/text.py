@@ -33,16 +33,22 @@ def select_incidents(records: Iterable[dict[str, Any]], model: str | None, revis
     return list(latest.values())
 
 
+def also_changed(note: dict[str, Any]) -> str:
+    """One annotation of an incident: another layer that changed while it was open."""
+    return (f"layer {note['layer']} ({note['relation']}, {note['findings']} findings"
+            + (", its evidence alone would have paged" if note.get("paged") else "") + ")")
+
+
 def incident_lines(incidents: list[dict[str, Any]]) -> list[str]:
     lines = [f"{len(incidents)} incidents", ""]
     for i in sorted(incidents, key=lambda i: i["opened_at"]):
         strongest = i.get("strongest") or {}
         lines += [
-            f"{i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}: {i['state']}"
-            + (f", merged into {i['merged_into']}" if i.get("merged_into") else ""),
+            f"{i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}: {i['state']}",
             f"  {i['anomalies']} findings on {i['traces']} traces against {i['reference_revision']}; heads involved: "
             + (", ".join(i["heads"]) or "-"),
             "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i["side_effects"].items())) or "none"),
+            "  other layers: " + (", ".join(also_changed(a) for a in i.get("also_changed", [])) or "none"),
         ]
         if strongest:
             lines.append(f"  strongest: {strongest.get('kind')} value {strongest.get('value', 0):.3f} against "

@@ -67,7 +67,10 @@ def test_alerts_follow_the_house_conventions():
         if name in ANOMALY_ALERTS:  # the policy's own sentences, word for word
             policy = " ".join(notes["policy"].split())
             assert NOT_PRUNING in policy and SPECIALIZATION in policy, name
-    assert severities.count("critical") <= 2  # page only for what users feel
+    # page only for what is worth waking someone for: the monitor down (silent), and an
+    # incident, which opens only on evidence past the false-page budget
+    assert {r["alert"] for r in alerts() if r["labels"]["severity"] == "critical"} == {
+        "AttentionMonitorDown", "AttentionLowHeadDiversity", "AttentionHeadPatternShift"}
 
 
 def test_one_runbook_per_alert_with_the_four_sections_and_no_pruning():
@@ -96,6 +99,27 @@ def test_alertmanager_config_and_routing(amtool):
                              (["severity=info"], "chat"), (["severity=warning", "team=security"], "security")):
         route = run(amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER}", *labels)
         assert route.stdout.strip() == receiver, (labels, route.stdout, route.stderr)
+    for name in ("AttentionLowHeadDiversity", "AttentionHeadPatternShift"):
+        route = run(amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER}", f"alertname={name}",
+                    "severity=critical", "model=m", "revision=r", "layer=2")
+        assert route.stdout.strip() == "pager", (name, route.stdout, route.stderr)
+
+
+def test_alertmanager_names_only_alerts_that_exist_and_groups_a_revisions_pages():
+    """An inhibit rule or route naming an alert the rules do not define silences nothing
+    and routes nothing, without an error anywhere."""
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    names = {r["alert"] for r in alerts()}
+    matchers = [m for rule in config["inhibit_rules"] for m in rule["source_matchers"] + rule["target_matchers"]]
+    matchers += [m for route in config["route"]["routes"] for m in route.get("matchers", [])]
+    named = set()
+    for matcher in matchers:
+        found = re.fullmatch(r'alertname(=~?)"([^"]+)"', matcher)
+        if found:
+            named |= set(found.group(2).split("|")) if found.group(1) == "=~" else {found.group(2)}
+    assert named and named <= names, sorted(named - names)
+    pages = next(r for r in config["route"]["routes"] if any("AttentionLowHeadDiversity" in m for m in r["matchers"]))
+    assert pages["group_by"] == ["model", "revision"] and pages["receiver"] == "pager"
 
 
 # --- dashboards --------------------------------------------------------------------------

@@ -148,18 +148,19 @@ def layer_value(monitor, name: str, revision: str, layer: int, **labels: str) ->
 
 
 def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two_minutes(stack):
-    """One story, in order. The reference revision teaches its reference; 1,000 healthy
-    traces judged by it open no incident (so no anomaly alert can fire: the rules read
-    incidents only) and raise at most one anomaly; then the two faulty revisions, at
-    0.5 requests/s each, are found on the right layer and heads within 10 traces, and
-    each pages once within 2 minutes; every panel of every dashboard then has data."""
+    """One story, in order. The reference revision teaches its reference (200 traces a
+    layer, the default); 1,000 healthy traces judged by it open no incident (so no
+    anomaly alert can fire: the rules read incidents only) and raise at most one
+    finding; then the two faulty revisions, at 0.5 requests/s each, are found on the
+    right layer and heads within 10 traces, and each pages once within 2 minutes; every
+    panel of every dashboard then has data."""
     monitor, prom, _am, webhook, topics, bootstrap = stack
-    Traffic(bootstrap, topics, HEALTHY, rate=40, requests=100, seed=1).start().thread.join(60)
+    Traffic(bootstrap, topics, HEALTHY, rate=40, requests=200, seed=1).start().thread.join(60)
     wait_for(lambda: all(layer_value(monitor, "attention_reference_ready", "rev-1", layer) == 1 for layer in range(4)),
              timeout=60, what="the reference of every layer ready")
     Traffic(bootstrap, topics, HEALTHY, rate=40, requests=250, seed=2).start().thread.join(60)
     judged = lambda: sum(layer_value(monitor, "attention_traces_total", "rev-1", layer) for layer in range(4))  # noqa: E731
-    wait_for(lambda: judged() == 1400, timeout=60, what="1,000 healthy traces judged")
+    wait_for(lambda: judged() == 1800, timeout=60, what="1,000 healthy traces judged")
     anomalies = sum(v for k, v in monitor.metrics().items() if k.startswith("attention_anomalies_total{"))
     incidents = sum(v for k, v in monitor.metrics().items() if k.startswith("attention_incidents_total{"))
     print(f"healthy: {anomalies:.0f} anomalies and {incidents:.0f} incidents in 1,000 judged traces")
@@ -207,7 +208,7 @@ def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two
              what="the page delivered by Alertmanager")
     alert = next(a for body in webhook.received for a in body["alerts"]
                  if a["labels"]["alertname"] == "AttentionLowHeadDiversity")
-    assert alert["labels"]["layer"] == "2" and alert["labels"]["severity"] == "warning"
+    assert alert["labels"]["layer"] == "2" and alert["labels"]["severity"] == "critical"
     assert "not an automatic pruning command" in alert["annotations"]["policy"]
     assert alert["annotations"]["runbook_url"].endswith("AttentionLowHeadDiversity.md")
     # the page links to the layer's triage page on the monitor that measures it

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from monitor.core.calibration import page_arl
 from monitor.core.detect import Detector, DetectorConfig, Observation, Verdict, cusum_threshold
 from monitor.core.metrics import head_metrics
 from monitor.protocol.codec import valid_keys
@@ -38,13 +39,34 @@ def test_threshold_matches_siegmund_and_grows_with_the_run_length():
     assert cusum_threshold(100_000, k) > h > cusum_threshold(1_000, k)
 
 
-def test_three_traces_at_four_sd_cross_and_two_do_not():
-    """The defaults' promise: a strong signal (layer diversity down 4 sd) raises low
-    diversity on its third trace, never on fewer; per-head streams within four."""
+def test_a_strong_signal_is_a_finding_on_its_fifth_trace_and_pages_within_ten():
+    """The defaults' promise: a strong signal (layer diversity down 3 sd or more, clipped
+    there) is a finding on its fifth trace, never on fewer; per-head streams of 32 heads
+    within seven. It pages within nine traces of a revision of 6 layers of 12 heads at a
+    request a second, and within twelve of one of 24 layers of 32 heads at 100 requests a
+    second (a large revision on a busy server)."""
     c = DetectorConfig()
-    step = min(4.0, c.clip) - c.shift / 2
-    assert 2 * step < cusum_threshold(c.false_alarm_arl, c.shift / 2) < 3 * step
-    assert cusum_threshold(c.false_alarm_arl * 2 * 32, c.shift / 2) < 4 * step  # sink streams of 32 heads
+    k = c.shift / 2
+    step = c.clip - k
+    assert 4 * step < cusum_threshold(c.false_alarm_arl, k) < 5 * step
+    assert cusum_threshold(c.false_alarm_arl * 2 * 32, k) < 7 * step  # sink streams of 32 heads
+    small = cusum_threshold(page_arl(6 * (1 + 5 * 12), 1.0, c.false_pages_per_week), k)
+    large = cusum_threshold(page_arl(24 * (1 + 5 * 32), 100.0, c.false_pages_per_week), k)
+    assert 7 * step < small < 9 * step and large < 12 * step
+
+
+def test_the_false_page_budget_is_split_over_the_revisions_streams_at_its_rate():
+    """More layers or heads, or more requests a second, raise every stream's page
+    threshold so the revision's false pages a week stay at the budget; the rate is never
+    assumed below one request a second."""
+    small, large = 6 * (1 + 5 * 12), 24 * (1 + 5 * 32)
+    assert page_arl(large, 1.0, 0.05) / page_arl(small, 1.0, 0.05) == pytest.approx(large / small)
+    assert page_arl(small, 10.0, 0.05) == pytest.approx(10 * page_arl(small, 1.0, 0.05))
+    assert page_arl(small, 0.01, 0.05) == page_arl(small, None, 0.05) == page_arl(small, 1.0, 0.05)
+    # per stream: the revision-week's observations times its streams over the budget
+    assert page_arl(small, 1.0, 0.05) == pytest.approx(small * 604_800 / 0.05)
+    with pytest.raises(ValueError, match="budget"):
+        page_arl(small, 1.0, 0.0)
 
 
 def test_a_revision_is_judged_once_it_has_its_traces_in_total_whatever_their_lengths():

@@ -1,4 +1,6 @@
-"""Incidents: one page per fault, the heads really involved, closed after quiet."""
+"""Incidents: only evidence that crossed the page threshold opens one; one incident per
+fault of a revision, its primary layer fixed, other layers annotated; the heads really
+involved; closed after quiet."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ from monitor.core.detect import Anomaly
 from monitor.core.incidents import IncidentTracker
 
 
-def anomaly(kind, heads, effect=5.0, layer=2):
-    return Anomaly(kind, layer, tuple(heads), 0.2, 0.4, effect, 12.0, "r1")
+def anomaly(kind, heads, effect=5.0, layer=2, pages=False):
+    return Anomaly(kind, layer, tuple(heads), 0.2, 0.4, effect, 12.0, "r1", pages)
 
 
 def observe(tracker, anomalies, now, layer=2):
@@ -15,38 +17,68 @@ def observe(tracker, anomalies, now, layer=2):
     return tracker.observe("m", "r2", layer, anomalies, records, now, 1_700_000_000 + now)
 
 
-def test_a_collapse_is_one_incident_naming_the_heads_that_recur_and_its_side_effects_open_nothing():
+def test_findings_below_the_page_threshold_stay_evidence_and_open_nothing():
     tracker = IncidentTracker(quiet=600)
-    changes = observe(tracker, [anomaly("low_diversity", ["head-1", "head-2", "head-5"]),
-                                anomaly("entropy_collapse", ["head-1"])], now=0)
-    assert [(c.what, c.incident.key[3]) for c in changes] == [("opened", "diversity")]
-    for t in range(1, 10):
-        assert observe(tracker, [anomaly("low_diversity", ["head-1", "head-2"], effect=4 + t),
+    for t in range(20):
+        assert observe(tracker, [anomaly("low_diversity", ["head-1"]), anomaly("sink_shift", ["head-3"])], now=t) == []
+    assert not tracker.open
+
+
+def test_a_collapse_is_one_incident_naming_the_heads_that_recur_and_its_side_effects():
+    tracker = IncidentTracker(quiet=600)
+    assert observe(tracker, [anomaly("low_diversity", ["head-1", "head-2", "head-5"])], now=0) == []  # evidence
+    changes = observe(tracker, [anomaly("low_diversity", ["head-1", "head-2"], pages=True),
+                                anomaly("entropy_collapse", ["head-1"])], now=1)
+    assert [(c.what, c.incident.key, c.incident.layer, c.incident.family) for c in changes] == [
+        ("opened", ("m", "r2"), 2, "diversity")]
+    for t in range(2, 11):
+        assert observe(tracker, [anomaly("low_diversity", ["head-1", "head-2", "head-5" if t == 2 else "head-1"],
+                                         effect=4 + t),
                                  anomaly("concentration_spike", ["head-2"])], now=t) == []
     (incident,) = tracker.open.values()
     assert incident.involved() == ["head-1", "head-2"]  # head-5 came up once in ten findings
     assert incident.anomalies == 10 and incident.traces == 10
     assert incident.side_effects == {"entropy_collapse": 1, "concentration_spike": 9}
-    assert incident.strongest["effect_size"] == 13
+    assert incident.strongest["effect_size"] == 14
     assert tracker.expire(now=500) == []
-    (closed,) = tracker.expire(now=609)
+    (closed,) = tracker.expire(now=611)
     assert closed.what == "closed" and closed.incident.summary()["state"] == "closed"
     assert not tracker.open
 
 
-def test_a_head_incident_is_closed_into_the_diversity_incident_that_follows():
+def test_other_layers_of_the_revision_are_annotations_of_the_first_page_never_pages_of_their_own():
     tracker = IncidentTracker(quiet=600)
-    (opened,) = observe(tracker, [anomaly("sink_shift", ["head-3"])], now=0)
-    assert opened.incident.key == ("m", "r2", 2, "head")
-    changes = observe(tracker, [anomaly("low_diversity", ["head-3", "head-4"])], now=5)
-    assert [(c.what, c.incident.key[3]) for c in changes] == [("opened", "diversity"), ("closed", "head")]
-    assert changes[1].incident.merged_into == changes[0].incident.id
-    assert changes[0].incident.side_effects == {"sink_shift": 1}
+    (opened,) = observe(tracker, [anomaly("sink_shift", ["head-3"], layer=1, pages=True)], now=0, layer=1)
+    assert (opened.incident.layer, opened.incident.family) == (1, "head")
+    # downstream layers change too, through the residual stream, paging or not
+    (updated,) = observe(tracker, [anomaly("low_diversity", ["head-2"], layer=2)], now=1)
+    assert updated.what == "updated"
+    assert observe(tracker, [anomaly("low_diversity", ["head-2"], layer=2)], now=2) == []  # counted only
+    (paged,) = observe(tracker, [anomaly("low_diversity", ["head-2"], layer=2, pages=True)], now=3)
+    assert paged.what == "updated"  # its page is an annotation, not a second incident
+    assert observe(tracker, [anomaly("entropy_collapse", ["head-0"], layer=0, pages=True)], now=4,
+                   layer=0)[0].what == "updated"
+    (incident,) = tracker.open.values()
+    assert (incident.layer, incident.family) == (1, "head")  # the primary never moves: one alert, one page
+    assert incident.summary()["also_changed"] == [
+        {"layer": 0, "relation": "upstream", "findings": 1, "paged": True, "kinds": {"entropy_collapse": 1}},
+        {"layer": 2, "relation": "downstream", "findings": 3, "paged": True, "kinds": {"low_diversity": 3}}]
+    # findings on any layer keep the incident open
+    assert tracker.expire(now=550) == []
+    observe(tracker, [anomaly("low_diversity", ["head-2"], layer=2)], now=590)
+    assert tracker.expire(now=1000) == []
 
 
-def test_a_sink_on_another_layer_is_its_own_incident():
+def test_a_diversity_page_leads_when_one_trace_pages_both_families():
     tracker = IncidentTracker(quiet=600)
-    observe(tracker, [anomaly("low_diversity", ["head-1", "head-2"])], now=0)
-    (other,) = observe(tracker, [anomaly("sink_shift", ["head-3"], layer=1)], now=1, layer=1)
-    assert other.what == "opened" and other.incident.key == ("m", "r2", 1, "head")
-    assert len(tracker.open) == 2
+    (opened,) = observe(tracker, [anomaly("sink_shift", ["head-3"], pages=True),
+                                  anomaly("low_diversity", ["head-3", "head-4"], pages=True)], now=0)
+    assert opened.incident.family == "diversity"
+    assert opened.incident.side_effects == {"sink_shift": 1}
+
+
+def test_revisions_have_incidents_of_their_own_and_the_count_is_bounded():
+    tracker = IncidentTracker(quiet=600, max_open=2)
+    for revision in ("a", "b", "c"):
+        tracker.observe("m", revision, 1, [anomaly("sink_shift", ["head-3"], pages=True)], [{}], 0.0, 0.0)
+    assert set(tracker.open) == {("m", "a"), ("m", "b")}  # beyond the cap, findings stay evidence

@@ -46,8 +46,9 @@ def no_created_series():
 def exposition(detail_level: str) -> str:
     contracts = ContractTable()
     contracts.add(CONTRACT)
-    measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(reference_traces=4,
-                                       min_effect=0.5, false_alarm_arl=2), dedupe_window=100), processes=0)
+    # a detector that finds and pages on the few traces here (no threshold worth the name)
+    detector = DetectorConfig(reference_traces=4, min_effect=0.5, false_alarm_arl=2, false_pages_per_week=1e12)
+    measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), detector, dedupe_window=100), processes=0)
     measuring.sync_contracts(contracts)
     registry = CollectorRegistry()
     now = {"t": 100.0}

@@ -13,8 +13,8 @@ from monitor.core.detect import DetectorConfig
 from monitor.service.state_file import StateFile
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 2, "references": [{"key": 1}]}),
-                                     json.dumps({"version": 2, "references": [{"key": ["m", "r", 0],
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 3, "references": [{"key": 1}]}),
+                                     json.dumps({"version": 3, "references": [{"key": ["m", "r", 0],
                                                                                "reference": {}}]}),
                                      json.dumps({"references": []})])  # the first release's format
 def test_an_unusable_state_file_is_ignored(tmp_path, caplog, content):
@@ -28,6 +28,6 @@ def test_an_unusable_state_file_is_ignored(tmp_path, caplog, content):
 def test_a_saved_state_is_loaded_back(tmp_path):
     state = StateFile(tmp_path, "instance")
     assert state.load(DetectorConfig()) is None  # nothing saved yet
-    state.save({"version": 2, "references": [], "decisions": []})
-    assert state.load(DetectorConfig()) == {"version": 2, "references": [], "decisions": []}
+    state.save({"version": 3, "references": [], "decisions": []})
+    assert state.load(DetectorConfig()) == {"version": 3, "references": [], "decisions": []}
     assert not state.path.with_suffix(".tmp").exists()

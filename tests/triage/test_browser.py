@@ -37,8 +37,9 @@ def send(bootstrap: str, topics, scenario, requests: int, seed: int, fail_every:
 
 
 def open_page(browser, url: str, screenshot, **context_options):
-    """Load ``url``; the page, its console errors and every request it made."""
-    context = browser.new_context(**context_options)
+    """Load ``url`` in a window 1,280 px wide; the page, its console errors and every
+    request it made."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, **context_options)
     page = context.new_page()
     errors: list[str] = []
     requests: list[str] = []
@@ -62,11 +63,11 @@ def test_an_incident_page_of_a_real_run_opens_offline_in_chromium(kafka_broker, 
     monitor = Monitor(env, tmp_path / "monitor.log")
     try:
         monitor.wait_ready()
-        send(kafka_broker.bootstrap, topics, HEALTHY, 110, seed=1, fail_every=10)  # the reference: 100 a layer
+        send(kafka_broker.bootstrap, topics, HEALTHY, 210, seed=1, fail_every=10)  # the reference: 200 a layer
         monitor.wait_until(lambda: monitor.value(series("attention_reference_ready", model="scenario-lm",
                                                         revision="r1", layer="2")) == 1,
                            timeout=60, what="r1's reference of layer 2 ready")
-        send(kafka_broker.bootstrap, topics, COLLAPSED, 12, seed=2, fail_every=2)
+        send(kafka_broker.bootstrap, topics, COLLAPSED, 16, seed=2, fail_every=2)
         # which requests raise the findings depends on how the two partitions interleave
         # (the CUSUM restarts after each), so their outcomes may all be failures or all
         # successes: wait for the joins, whichever
@@ -97,7 +98,25 @@ def test_an_incident_page_of_a_real_run_opens_offline_in_chromium(kafka_broker, 
             assert heatmap.count() == 1 and heatmap.bounding_box()["width"] > 50
         labels = set(page.locator("#heatmaps svg text").evaluate_all("nodes => nodes.map(n => n.textContent)"))
         assert {f"head-{h}" for h in range(8)} <= labels
+        # at 1,280 px nothing is cut off or scrolls sideways: every chart fits the page
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+        for chart in ("#heatmaps svg", "#timelines svg"):
+            box = page.locator(chart).bounding_box()
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 1280, (chart, box)
+        right = page.locator("#heatmap-difference").bounding_box()
+        assert right["x"] + right["width"] <= 1280  # the difference heatmap, rightmost, whole
+        # heads over the selection: small multiples, one row of panels per head, never overlapping
         assert page.locator("#timelines svg").count() == 1
+        panels = page.locator('#timelines svg [id^="timeline-"]')
+        names = panels.evaluate_all("nodes => nodes.map(n => n.id)")
+        heads = {n.removeprefix("timeline-").rsplit("-", 1)[0] for n in names}
+        assert len(names) == 3 * len(heads) and heads >= COLLAPSED_HEADS
+        boxes = [panels.nth(i).bounding_box() for i in range(panels.count())]
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                apart = (a["x"] + a["width"] <= b["x"] + 1 or b["x"] + b["width"] <= a["x"] + 1
+                         or a["y"] + a["height"] <= b["y"] + 1 or b["y"] + b["height"] <= a["y"] + 1)
+                assert apart, (a, b)
         assert page.locator('[data-field="model"]').inner_text() == "scenario-lm"
         assert page.locator('[data-field="reference_revision"]').inner_text() == "r1"
         assert page.locator("#policy").inner_text().count("pruning") == 1  # "not an automatic pruning command"

@@ -150,5 +150,5 @@ def test_the_reference_mean_matrix_survives_saving_and_merging():
     del old["matrix"]  # a state saved before the triage page
     assert LengthReference.from_dict(old).mean_matrix() is None
     detector = Detector(DetectorConfig())
-    detector.merge_state({"version": 2, "references": [{"key": ["m", "r", 0], "reference": old}], "decisions": []})
+    detector.merge_state({"version": 3, "references": [{"key": ["m", "r", 0], "reference": old}], "decisions": []})
     assert detector.references[("m", "r", 0)].mean_matrix() is None
