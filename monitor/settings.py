@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
     model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")
     max_layer_series: int = Field(512, gt=0, description="distinct (model, revision, layer) label sets before "
-                                  "layer='other' (each layer costs 95 series; docs/metrics.md)")
+                                  "layer='other' (each layer costs 103 series or more; docs/metrics.md)")
     max_references: int = Field(1024, gt=0, description="(model, revision, layer) references kept; beyond, the one "
                                 "unused longest goes (counted)")
 

@@ -57,12 +57,13 @@ class TraceProducer:
         key, value = ContractTable.record(contract, self._key_id, self._secret)
         return self._producer.send(self.topics.contracts, key=key, value=value)
 
-    def send(self, header: TraceHeader, weights: NDArray[np.generic]) -> Any:
-        """Queue one trace (one request × one layer). A ``trace_id`` already sent (among
-        the last ``RECENT_TRACE_IDS``) raises ``ValueError``: the monitor would drop the
-        second record as a duplicate, so a request-level id would silently lose every
-        layer but the first."""
-        value = encode(header, weights, self._key_id, self._secret)
+    def send(self, header: TraceHeader, weights: NDArray[np.generic], sink: NDArray[np.generic] | None = None) -> Any:
+        """Queue one trace (one request × one layer); ``sink``: each row's mass on the
+        layer's learned sink, when the header says ``learned_sink``. A ``trace_id``
+        already sent (among the last ``RECENT_TRACE_IDS``) raises ``ValueError``: the
+        monitor would drop the second record as a duplicate, so a request-level id would
+        silently lose every layer but the first."""
+        value = encode(header, weights, self._key_id, self._secret, sink)
         with self._lock:
             earlier = self._recent.get(header.trace_id)
             if earlier is not None:

@@ -9,7 +9,7 @@ Scale
     matters, on traces the fit never saw: the reference's traces are split into ``folds``;
     each fold is standardised against a reference learnt from the others, and for each
     family of streams (layer diversity; each head's nearest-neighbour similarity, entropy,
-    concentration, sink share up and down) the root mean square of those standardised
+    concentration, sink share, learned sink and prompt mass, each way) the root mean square of those standardised
     values, clipped at ``clip`` as the detector clips them, is the family's scale. The
     detector divides a trace's effects by it (never by less than 1), so a CUSUM sees
     increments of about unit variance on healthy traffic, as its thresholds assume.
@@ -40,10 +40,11 @@ WEEK_S = 604_800.0
 RATE_FLOOR = 1.0
 
 
-def family_blocks(heads: int) -> list[slice]:
-    """The families of a layer's streams, in judging order: layer diversity, then each
-    head's nearest-neighbour similarity, entropy, concentration, sink share up and down."""
-    return [slice(0, 1), *(slice(1 + i * heads, 1 + (i + 1) * heads) for i in range(5))]
+def family_blocks(heads: int, streams: int) -> list[slice]:
+    """The families of a layer's ``streams`` streams, in judging order: layer diversity,
+    then one block of ``heads`` per head stream (nearest-neighbour similarity, entropy,
+    concentration, sink share up and down, …: :class:`~monitor.core.standardise.Streams`)."""
+    return [slice(0, 1), *(slice(1 + i * heads, 1 + (i + 1) * heads) for i in range((streams - 1) // heads))]
 
 
 def cross_fitted_scale(streams: Streams, samples: Sequence[tuple[int, NDArray[np.float64]]], *, pool: int,
@@ -51,7 +52,7 @@ def cross_fitted_scale(streams: Streams, samples: Sequence[tuple[int, NDArray[np
     """Per stream in judging order (``1 + 5H``), the scale of its standardised values on
     traces the reference did not learn from (see the module documentation); ones when
     there are too few samples to tell. ``samples`` are (key count, ``1 + 4H`` values)."""
-    heads = (len(streams.pick) - 1) // 5
+    heads = len(streams.block["entropy"])
     scale = np.ones(len(streams.pick))
     if folds < 2 or len(samples) < 2 * folds:
         return scale
@@ -68,7 +69,7 @@ def cross_fitted_scale(streams: Streams, samples: Sequence[tuple[int, NDArray[np
                             pool=min(pool, learnt.traces), clip=clip, k=0.0, min_effect=math.inf)
         parts.append(np.where(np.isfinite(table.x) & np.isfinite(table.mean), table.z, np.nan))
     z = np.concatenate(parts)
-    for block in family_blocks(heads):
+    for block in family_blocks(heads, len(streams.pick)):
         values = z[:, block]
         values = values[np.isfinite(values)]
         if values.size:

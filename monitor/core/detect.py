@@ -70,7 +70,8 @@ from monitor.core.metrics import HeadMetrics
 from monitor.core.reference import LengthReference
 from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
 
-KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift")
+KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift", "learned_sink_shift",
+         "prompt_mass_shift")
 STATE_VERSION = 3
 #: timestamps kept per layer to measure its request rate
 RATE_WINDOW = 128
@@ -95,7 +96,8 @@ class DetectorConfig:
     #: folds of the reference's own traces that measure its scale (0: no calibration)
     calibration_folds: int = 5
     min_sd: Mapping[str, float] = field(default_factory=lambda: {
-        "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02, "similarity": 0.01})
+        "diversity": 0.01, "entropy": 0.02, "concentration": 0.02, "sink_share": 0.02, "similarity": 0.01,
+        "learned_sink": 0.02, "prompt_mass": 0.02})
     #: a low-diversity finding names the heads whose similarity to their nearest other head rose this many sd
     head_z: float = 3.0
     #: (model, revision) -> the revision whose reference judges it
@@ -366,7 +368,7 @@ class Detector:
     def _standardise(self, refs: list[LengthReference], key_counts: list[int],
                      values: NDArray[np.float64]) -> Standardised:
         c = self.config
-        return standardise(self._stream_table((values.shape[1] - 1) // 4), refs, key_counts, values,
+        return standardise(self._stream_table((values.shape[1] - 1) // len(HEAD_METRICS)), refs, key_counts, values,
                            pool=min(c.pool, c.reference_traces), clip=c.clip, k=self._k, min_effect=c.min_effect)
 
     def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, table: Standardised, row: int,
@@ -399,7 +401,8 @@ class Detector:
             score = float(np.maximum(s, p)[: 1 + h][either[: 1 + h]].max())
             found.append(Anomaly("low_diversity", obs.layer, heads, float(m.diversity), float(mean[0]),
                                  float(z[strongest]), score, ref_revision, bool(paged[: 1 + h].any())))
-        kinds = ("entropy_collapse", "concentration_spike", "sink_shift", "sink_shift")
+        kinds = ("entropy_collapse", "concentration_spike", "sink_shift", "sink_shift", "learned_sink_shift",
+                 "learned_sink_shift", "prompt_mass_shift", "prompt_mass_shift")
         for i in np.flatnonzero(either[1 + h :]).tolist():
             j = 1 + h + i
             found.append(Anomaly(kinds[i // h], obs.layer, (obs.heads[i % h],), float(x[j]), float(mean[j]),
@@ -407,12 +410,16 @@ class Detector:
         s[hit] = 0.0
         p[paged] = 0.0
         self._cusum[key], self._page_cusum[key] = s, p
-        band = {m: streams.block[m] for m in HEAD_METRICS[:3]}
-        fit_mean, sd = table.value_mean[row], table.value_sd[row]
         m = obs.metrics
-        evidence = Evidence(obs.heads, obs.key_count, m.similarity, ref.mean_matrix(),
-                            {"entropy": m.entropy, "concentration": m.concentration, "sink_share": m.sink_share},
-                            {m: fit_mean[i] for m, i in band.items()}, {m: sd[i] for m, i in band.items()},
+        shown = {"entropy": m.entropy, "concentration": m.concentration, "sink_share": m.sink_share}
+        for name in ("learned_sink", "prompt_mass"):  # when the trace has them
+            value = getattr(m, name)
+            if value is not None and np.isfinite(value).any():
+                shown[name] = value
+        band = {name: streams.block[name] for name in shown}
+        fit_mean, sd = table.value_mean[row], table.value_sd[row]
+        evidence = Evidence(obs.heads, obs.key_count, m.similarity, ref.mean_matrix(), shown,
+                            {name: fit_mean[i] for name, i in band.items()}, {name: sd[i] for name, i in band.items()},
                             (float(m.diversity), float(fit_mean[0]), float(sd[0])))
         return found, evidence
 
@@ -439,7 +446,7 @@ class Detector:
         if cached is not None and cached[0] == self._references_version and abs(cached[1] - timed) < RATE_WINDOW // 8:
             return cached[2]
         model = key[0]
-        streams = sum(1 + 5 * ((r.streams - 1) // 4) for k, r in self.references.items()
+        streams = sum(self._judged_streams(r) for k, r in self.references.items()
                       if k[0] == model and k[1] == ref_revision)
         arl = page_arl(streams, _rounded_up(self.rate(key)), self.config.false_pages_per_week)
         h = cusum_threshold(max(arl, 2.0), self._k)  # a budget beyond a page a trace: every crossing pages
@@ -447,6 +454,12 @@ class Detector:
             self._page_h.clear()
         self._page_h[key] = (self._references_version, timed, h)
         return h
+
+    def _judged_streams(self, ref: LengthReference) -> int:
+        """The streams a reference judges: those of values it has seen (a prefill-only
+        producer's prompt mass, or a layer without a learned sink, judge nothing)."""
+        h = (ref.streams - 1) // len(HEAD_METRICS)
+        return int(ref.observed()[self._stream_table(h).pick].sum())
 
     def rate(self, key: LayerKey) -> float | None:
         """The layer's request rate (traces a second) over its latest judged traces, from
@@ -500,7 +513,7 @@ class Detector:
             merged = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
                       else mine_ref.merge(other_ref))
             if merged.scale is None and merged.traces >= self.config.reference_traces:
-                self._calibrate(merged, (merged.streams - 1) // 4)  # two halves that made a ready reference
+                self._calibrate(merged, (merged.streams - 1) // len(HEAD_METRICS))  # halves that made a ready one
             self.references[key] = merged
         self._references_version += 1
         while len(self.references) > self.config.max_references:

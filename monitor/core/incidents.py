@@ -18,7 +18,7 @@ updates the incident record. The incident closes after ``quiet`` seconds without
 finding of its revision.
 
 Families: ``diversity`` (``low_diversity``) and ``head`` (``entropy_collapse``,
-``concentration_spike``, ``sink_shift``).
+``concentration_spike``, ``sink_shift``, ``learned_sink_shift``, ``prompt_mass_shift``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from monitor.core.detect import Anomaly
 
 FAMILY = {"low_diversity": "diversity", "entropy_collapse": "head", "concentration_spike": "head",
-          "sink_shift": "head"}
+          "sink_shift": "head", "learned_sink_shift": "head", "prompt_mass_shift": "head"}
 FAMILIES = ("diversity", "head")
 #: heads named by an incident: those in at least this share of its primary findings
 HEAD_SHARE = 0.5

@@ -57,6 +57,11 @@ class HeadMetrics:
     #: (only with ``with_mass=True``; for checking a trace without converting it twice)
     row_mass: Array | None = None
     hidden_mass: Array | None = None
+    #: ``[..., H]`` (:mod:`monitor.core.generation`; NaN where the trace says nothing of
+    #: them, set by the measurer): each head's share of decoding rows' attention on the
+    #: prompt, and its learned sink's mean mass
+    prompt_mass: Array | None = None
+    learned_sink: Array | None = None
 
 
 @dataclass(frozen=True)

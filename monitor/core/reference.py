@@ -110,6 +110,13 @@ class LengthReference:
         self.traces += 1
         self._fits.clear()
 
+    def observed(self) -> NDArray[np.bool_]:
+        """Per stream, whether any learnt trace had a value of it."""
+        seen = np.zeros(self.streams, dtype=bool)
+        for sums in self.bins.values():
+            seen |= sums[0] > 0
+        return seen
+
     def update_matrix(self, similarity: ArrayLike) -> None:
         """Add one trace's head-similarity matrix to the mean matrix."""
         m = np.asarray(similarity, dtype=np.float64)

@@ -1,9 +1,11 @@
 """A layer's streams, standardised against the references that judge them, many traces
 at once.
 
-A trace of a layer of ``H`` heads has ``1 + 4H`` values: the layer's diversity, then each
-head's entropy, concentration, sink share and similarity to its nearest other head. The
-detector judges ``1 + 5H`` streams of them (sink share twice, once per direction). Against
+A trace of a layer of ``H`` heads has ``1 + 6H`` values: the layer's diversity, then each
+head's entropy, concentration, sink share, similarity to its nearest other head, learned
+sink mass and prompt mass (:mod:`monitor.core.generation`; NaN for a trace without a
+learned sink or decoding rows). The detector judges ``1 + 9H`` streams of them (sink
+share, learned sink mass and prompt mass twice each, once per direction). Against
 the reference at the trace's length each stream's value gets its reference mean, its
 signed effect ``z = sign · (x − μ(L)) / σ(L)`` (``σ`` floored; the bad direction
 positive) and the step it takes in its CUSUM, ``min(z, clip) − k``.
@@ -25,7 +27,7 @@ from numpy.typing import NDArray
 from monitor.core.metrics import HeadMetrics
 from monitor.core.reference import LengthReference, fits
 
-HEAD_METRICS = ("entropy", "concentration", "sink_share", "similarity")
+HEAD_METRICS = ("entropy", "concentration", "sink_share", "similarity", "learned_sink", "prompt_mass")
 
 
 def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -42,18 +44,24 @@ def head_similarity(similarity: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 def stream_values(metrics: Sequence[HeadMetrics]) -> NDArray[np.float64]:
-    """``[N, 1 + 4H]``: each trace's value of every stream of its layer (layer diversity,
-    then each head's entropy, concentration, sink share and similarity to its nearest
-    other head); the traces share their head count."""
+    """``[N, 1 + 6H]``: each trace's value of every stream of its layer (layer diversity,
+    then each head's entropy, concentration, sink share, similarity to its nearest other
+    head, learned sink mass and prompt mass); the traces share their head count."""
+    def optional(value: NDArray[np.float64] | None, like: NDArray[np.float64]) -> NDArray[np.float64]:
+        return np.full(like.shape, np.nan) if value is None else value
+
     if len(metrics) == 1:
         o = metrics[0]
         return np.concatenate(([o.diversity], o.entropy, o.concentration, o.sink_share,
-                               head_similarity(np.asarray(o.similarity))))[None]
+                               head_similarity(np.asarray(o.similarity)), optional(o.learned_sink, o.entropy),
+                               optional(o.prompt_mass, o.entropy)))[None]
     return np.concatenate((np.array([[o.diversity] for o in metrics], dtype=np.float64),
                            np.stack([o.entropy for o in metrics]),
                            np.stack([o.concentration for o in metrics]),
                            np.stack([o.sink_share for o in metrics]),
-                           head_similarity(np.stack([o.similarity for o in metrics]))), axis=1)
+                           head_similarity(np.stack([o.similarity for o in metrics])),
+                           np.stack([optional(o.learned_sink, o.entropy) for o in metrics]),
+                           np.stack([optional(o.prompt_mass, o.entropy) for o in metrics])), axis=1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -66,9 +74,9 @@ def _diagonal(h: int) -> NDArray[np.bool_]:
 @dataclass(frozen=True)
 class Streams:
     """The streams of a layer of ``h`` heads, in judging order: layer diversity, each
-    head's nearest-neighbour similarity, entropy, concentration, sink share up and sink
-    share down; which value each reads, its bad direction, floor and threshold (the
-    same for every trace of that many heads)."""
+    head's nearest-neighbour similarity, entropy, concentration, sink share up and down,
+    learned sink mass up and down, prompt mass up and down; which value each reads, its
+    bad direction, floor and threshold (the same for every trace of that many heads)."""
 
     block: dict[str, NDArray[np.intp]]  #: where each head metric's values sit in the value vector
     floors: NDArray[np.float64]  #: per value
@@ -80,10 +88,13 @@ class Streams:
     def of(h: int, min_sd: Mapping[str, float], threshold: Callable[[int], float]) -> Streams:
         block = {m: np.arange(1 + i * h, 1 + (i + 1) * h) for i, m in enumerate(HEAD_METRICS)}
         floors = np.concatenate(([min_sd["diversity"]], *(np.full(h, min_sd[m]) for m in HEAD_METRICS)))
+        two_sided = ("sink_share", "learned_sink", "prompt_mass")
         pick = np.concatenate(([0], block["similarity"], block["entropy"], block["concentration"],
-                               block["sink_share"], block["sink_share"]))
-        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h), np.ones(h), -np.ones(h)))
-        thresholds = np.concatenate(([threshold(1)], np.full(3 * h, threshold(h)), np.full(2 * h, threshold(2 * h))))
+                               *(block[m] for m in two_sided for _ in (1, 2))))
+        sign = np.concatenate(([-1.0], np.ones(h), -np.ones(h), np.ones(h),
+                               *(direction * np.ones(h) for _ in two_sided for direction in (1.0, -1.0))))
+        thresholds = np.concatenate(([threshold(1)], np.full(3 * h, threshold(h)),
+                                     np.full(2 * h * len(two_sided), threshold(2 * h))))
         return Streams(block, floors, pick, sign, thresholds)
 
 

@@ -24,12 +24,30 @@ def _positive(config: Any, name: str) -> int:
     return value
 
 
+def windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window from a config: ``layer_types`` (gpt-oss, Gemma 3,
+    Qwen3: ``sliding_attention`` layers get ``sliding_window``), or ``sliding_window`` on
+    every layer (Mistral, Phi-3) unless ``use_sliding_window`` is false."""
+    c = _text_config(config)
+    layers = _positive(c, "num_hidden_layers")
+    window = getattr(c, "sliding_window", None)
+    window = window if isinstance(window, int) and window > 0 else None
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == layers:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    if getattr(c, "use_sliding_window", None) is False:
+        return [None] * layers
+    return [window] * layers
+
+
 def contract_from_config(config: Any, model_id: str, revision: str, *, mask: str | None = None,
-                         scale: float | None = None) -> ModelContract:
+                         scale: float | None = None, sinks: frozenset[int] | None = None) -> ModelContract:
     """The model contract of any architecture transformers loads: layers, heads, KV groups
-    and head dimensions from ``config``; the mask kind from the model type (encoders such
-    as BERT are bidirectional) unless given; the scale ``head_dim ** -0.5`` (or the
-    config's ``query_pre_attn_scalar ** -0.5``) unless given."""
+    and head dimensions from ``config``; each layer's sliding window (:func:`windows`);
+    the mask kind from the model type (encoders such as BERT are bidirectional) unless
+    given; the scale ``head_dim ** -0.5`` (or the config's ``query_pre_attn_scalar **
+    -0.5``) unless given; ``sinks``: the layers with learned sink logits (gpt-oss: every
+    layer, when not given)."""
     c = _text_config(config)
     heads = _positive(c, "num_attention_heads")
     layers = _positive(c, "num_hidden_layers")
@@ -42,6 +60,9 @@ def contract_from_config(config: Any, model_id: str, revision: str, *, mask: str
         scalar = getattr(c, "query_pre_attn_scalar", None)
         scale = float(scalar) ** -0.5 if scalar else head_dim**-0.5
     per_group = heads // groups
+    if sinks is None and getattr(c, "model_type", None) == "gpt_oss":
+        sinks = frozenset(range(layers))
+    window = windows(config)
     return ModelContract(
         model_id=model_id,
         model_revision=revision,
@@ -50,7 +71,8 @@ def contract_from_config(config: Any, model_id: str, revision: str, *, mask: str
         layers=tuple(
             LayerContract(layer=n, d_model=d_model, head_dim=head_dim, value_dim=head_dim,
                           heads=tuple(f"head-{h}" for h in range(heads)),
-                          kv_groups=tuple(h // per_group for h in range(heads)))
+                          kv_groups=tuple(h // per_group for h in range(heads)), window=window[n],
+                          learned_sink=True if sinks and n in sinks else None)
             for n in range(layers)
         ),
     )

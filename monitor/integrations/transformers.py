@@ -26,9 +26,18 @@ never materialise the weights; these few rows cost ``rows × keys × head_dim`` 
 Sampling is decided once per request from a hash of the request id and ``seed``:
 reproducible, and the same across layers. Padding comes from the ``attention_mask`` the
 model is called with (left or right): a trace covers the sequence's real tokens only.
-During generation with a KV cache, rows are sampled from the prompt pass; decoding steps
-(one query token) are not traced. Traces go to the sink through a bounded queue and a
-background thread (:mod:`monitor.integrations.sender`): the forward pass never waits.
+
+During ``generate`` (a KV cache, ``DynamicCache`` or ``StaticCache``; batched with left
+padding too), a sampled request's trace of a layer holds ``rows`` rows of the prompt and
+``decode_rows`` decoding steps spread over the generation plus the last
+(:mod:`monitor.integrations.decoding`), each recomputed from the step's query and the
+cache it saw, each causal at its own position; ``prompt_length`` says where the prompt
+ends. Beam search (more sequences than request ids) is refused with a clear message
+and counted as failed. A layer with learned sink logits (gpt-oss) gets them in its
+softmax, and each row's sink mass travels beside its weights; a sliding-window layer
+says its window. A request's traces are published when its ``tap.request`` block ends,
+through a bounded queue and a background thread (:mod:`monitor.integrations.sender`):
+the forward pass never waits.
 """
 
 from __future__ import annotations
@@ -50,7 +59,9 @@ import torch
 from numpy.typing import NDArray
 
 from monitor.integrations.attention_wrapper import AttentionWrapper
+from monitor.integrations.decoding import DecodeRows, Step
 from monitor.integrations.hf_contract import contract_from_config, weights_revision
+from monitor.integrations.recompute import learned_sinks, row_weights
 from monitor.integrations.sender import Sender, TapCounts
 from monitor.protocol.model_contract import ModelContract
 from monitor.protocol.schema import Scope, TraceHeader, check_identifier
@@ -58,7 +69,7 @@ from monitor.protocol.schema import Scope, TraceHeader, check_identifier
 __all__ = ["AttentionTap", "TapCounts", "attach", "contract_from_config", "weights_revision"]
 
 log = logging.getLogger(__name__)
-Sink = Callable[[TraceHeader, NDArray[np.float16]], Any]
+Sink = Callable[..., Any]  #: (header, weights[, sink mass]) -> anything
 
 
 @dataclass(frozen=True)
@@ -83,22 +94,28 @@ class _Request:
     sampled: tuple[bool, ...]
     scope: Scope
     timestamp: float
-    padding: torch.Tensor | None = None  #: the 2-D attention mask the model was called with (1 = token)
+    padding: torch.Tensor | None = None  #: the 2-D attention mask the model was called with last (1 = token)
+    left: torch.Tensor | None = None  #: [batch] left padding of the prompt, when no 2-D mask says it
+    cached: int | None = None  #: keys in the cache before the current forward (None: no cache seen)
     plans: dict[tuple[int, int], _Plan | None] = field(default_factory=dict)  #: (keys, offset) → plan
-    traced: set[int] = field(default_factory=set)  #: layers already traced
+    captures: dict[int, _Capture] = field(default_factory=dict)  #: layer → its prompt rows (and decode rows)
 
 
 _ACTIVE: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("attention_tap_request", default=None)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Capture:
-    """One layer's sampled rows of every traced sequence of a request, as captured."""
+    """One layer's sampled rows of every traced sequence of a request: the prompt's, then
+    the decoding steps' kept so far."""
 
     request: _Request
     plan: _Plan
     layer: int
-    weights: NDArray[np.float16]  #: [S, H, R, K]
+    weights: NDArray[np.float16]  #: [S, H, R, K] of the prompt rows
+    sink: NDArray[np.float16] | None  #: [S, H, R]: their learned sink's mass
+    decode: DecodeRows
+    real: NDArray[np.bool_] | None = None  #: [S, K'] the traced sequences' real keys at the last step
 
 
 class AttentionTap(AttentionWrapper):
@@ -106,9 +123,12 @@ class AttentionTap(AttentionWrapper):
 
     def __init__(self, model: Any, sink: Sink | Any, *, rows: int, sample_rate: float, layers: Sequence[int] | None,
                  seed: int, model_id: str | None, revision: str | None, scope: Scope, producer_id: str,
-                 queue_size: int):
+                 queue_size: int, decode_rows: int = 4):
         if rows < 1:
             raise ValueError("rows must be at least 1")
+        if decode_rows < 0:
+            raise ValueError("decode_rows must be 0 (no decoding steps traced) or more")
+        self.decode_rows = decode_rows
         if not 0 <= sample_rate <= 1:
             raise ValueError("sample_rate must be in [0, 1]")
         self.model = model
@@ -116,7 +136,7 @@ class AttentionTap(AttentionWrapper):
         self.scope, self.producer_id = scope, producer_id
         self._contract = contract_from_config(
             model.config, model_id or getattr(model.config, "name_or_path", None) or type(model).__name__,
-            revision or weights_revision(model), scale=_module_scale(model))
+            revision or weights_revision(model), scale=_module_scale(model), sinks=_sink_layers(model))
         known = {layer.layer for layer in self._contract.layers}
         self.layers = frozenset(known if layers is None else layers)
         if not self.layers <= known:
@@ -128,7 +148,8 @@ class AttentionTap(AttentionWrapper):
                 trace_id="template", request_id="template", model_id=self._contract.model_id,
                 model_revision=self._contract.model_revision, contract_id=self._contract.contract_id,
                 layer=layer.layer, heads=layer.heads, kv_groups=layer.kv_groups, query_positions=(0,), key_count=1,
-                mask=self._contract.mask, scale=self._contract.scale, weights_source="recomputed", dtype="float16",
+                mask=self._contract.mask, window=layer.window, learned_sink=bool(layer.learned_sink),
+                scale=self._contract.scale, weights_source="recomputed", dtype="float16",
                 sample_rate=max(sample_rate, 1e-9), scope=scope, producer_id=producer_id, timestamp=0.0)
             for layer in self._contract.layers}
         send = sink.send if hasattr(sink, "send") else sink
@@ -168,6 +189,8 @@ class AttentionTap(AttentionWrapper):
             yield
         finally:
             _ACTIVE.reset(token)
+            for capture in state.captures.values():  # the request is done: its traces go
+                self._sender.offer(capture, traces=len(capture.plan.counts))
 
     @property
     def counts(self) -> TapCounts:
@@ -189,15 +212,37 @@ class AttentionTap(AttentionWrapper):
     # --- inside the forward pass ---------------------------------------------------------
 
     def _remember_padding(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before each forward of a sampled request: which keys are real tokens, as a 2-D
+        mask of every key so far. ``generate`` passes the 2-D mask itself, except with a
+        static cache, where it passes prepared 4-D masks: then the left padding is read
+        from the prompt's ``position_ids`` (padding and the first token are both 0) and
+        the keys so far from the cache."""
         state = _ACTIVE.get()
         if state is None or state.tap is not self or not any(state.sampled):
             return
         try:
-            mask = self._forward.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            arguments = self._forward.bind_partial(*args, **kwargs).arguments
         except TypeError:
-            mask = kwargs.get("attention_mask")
+            arguments = kwargs
+        cache = arguments.get("cache", arguments.get("past_key_values"))
+        seen = getattr(cache, "get_seq_length", None)
+        cached = int(seen(0)) if callable(seen) else None
+        state.cached = cached
+        mask = arguments.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             state.padding = mask.detach()
+            return
+        tokens = arguments.get("input_ids", arguments.get("inputs_embeds"))
+        if not isinstance(tokens, torch.Tensor):
+            return
+        batch, q_len = tokens.shape[0], tokens.shape[1]
+        cached = cached or 0
+        positions = arguments.get("position_ids")
+        if q_len > 1 and isinstance(positions, torch.Tensor) and positions.shape == (batch, q_len):
+            state.left = (q_len - positions.detach().max(dim=1).values - 1).clamp(min=0)
+        left = state.left if state.left is not None else torch.zeros(batch, dtype=torch.long)
+        keys = torch.arange(cached + q_len, device=left.device)
+        state.padding = (keys[None, :] >= left[:, None]).long()
 
     @property
     def attached(self) -> bool:
@@ -219,21 +264,56 @@ class AttentionTap(AttentionWrapper):
         layer = self.layer(module)
         batch, heads, q_len, _ = query.shape
         k_len = key.shape[2]
-        if layer not in self.layers or layer in state.traced or q_len < 2 or heads % max(key.shape[1], 1):
-            return  # a decoding step (one query token), a layer traced already, or not one being traced
-        if batch != len(state.request_ids):
-            raise ValueError(f"{batch} sequences in the batch but {len(state.request_ids)} request ids")
-        state.traced.add(layer)
-        offset = k_len - q_len  # query i is key offset + i (a prefix in the cache)
-        plan = self._plan(state, k_len, offset, key.device)
-        if plan is None:
+        if layer not in self.layers or heads % max(key.shape[1], 1):
             return
+        if batch != len(state.request_ids):
+            if batch % len(state.request_ids) == 0:
+                raise ValueError(f"{batch} sequences for {len(state.request_ids)} request ids: beam search and "
+                                 "num_return_sequences > 1 are not traced (use greedy or sampled generation, one "
+                                 "sequence a request)")
+            raise ValueError(f"{batch} sequences in the batch but {len(state.request_ids)} request ids")
         scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
         is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        sinks = learned_sinks(module)
+        captured = state.captures.get(layer)
+        if captured is None:
+            if q_len < 2:
+                return  # a decoding step of a request whose prompt was not traced here
+            # query i is key offset + i: after what the cache held (a static cache holds
+            # more keys than are filled)
+            offset = state.cached if state.cached is not None and state.cached + q_len <= k_len else k_len - q_len
+            plan = self._plan(state, k_len, offset, key.device)
+            if plan is None:
+                return
+            with torch.no_grad():
+                weights, sink = row_weights(query, key, plan.sequences, plan.rows, plan.real, offset, scaling, mask,
+                                            kwargs, is_causal, sinks)
+            state.captures[layer] = _Capture(state, plan, layer, weights.to(torch.float16).cpu().numpy(),
+                                             None if sink is None else sink.to(torch.float16).cpu().numpy(),
+                                             DecodeRows(self.decode_rows))
+            return
+        if q_len != 1 or not self.decode_rows:
+            return  # another forward of a traced layer: one prompt pass per request
+        plan = captured.plan
+        # the cache may not start at the sequence's first key (a sliding-window layer's
+        # keeps the last window), nor end at the query (a static cache is longer): the
+        # query's own key is the last its mask shows, and its absolute position the
+        # length of the 2-D mask the model was called with
+        own = _own_position(mask, k_len)
+        absolute = own if state.padding is None else int(state.padding.shape[-1]) - 1
+        shift = absolute - own
+        real = _real_keys(state.padding, plan.sequences, absolute + 1, key.device)
+        cached = torch.zeros(len(plan.counts), k_len, dtype=torch.bool, device=key.device)
+        cached[:, : own + 1] = real[:, shift : shift + own + 1]
+        rows = torch.full((len(plan.counts), 1), own, dtype=torch.long, device=key.device)
         with torch.no_grad():
-            weights = _row_weights(query, key, plan, offset, scaling, mask, kwargs, is_causal)
-        block = weights.to(torch.float16).cpu().numpy()
-        self._sender.offer(_Capture(state, plan, layer, block), traces=len(plan.counts))
+            weights, sink = row_weights(query, key, plan.sequences, rows, cached, own, scaling, mask, kwargs,
+                                        is_causal, sinks)
+        row = np.zeros((len(plan.counts), heads, absolute + 1), np.float16)
+        row[:, :, shift : shift + own + 1] = weights[:, :, 0, : own + 1].to(torch.float16).cpu().numpy()
+        captured.decode.offer(Step(captured.decode.steps, absolute, absolute + 1, row,
+                                   None if sink is None else sink[:, :, 0].to(torch.float16).cpu().numpy()))
+        captured.real = real.cpu().numpy()
 
     def _plan(self, state: _Request, k_len: int, offset: int, device: torch.device) -> _Plan | None:
         """The request's plan for ``k_len`` keys (made at its first traced layer): real
@@ -242,8 +322,11 @@ class AttentionTap(AttentionWrapper):
         if (k_len, offset) in state.plans:
             return state.plans[(k_len, offset)]
         padding = state.padding
-        real = (padding.to(device) != 0 if padding is not None and padding.shape[-1] == k_len
-                else torch.ones(len(state.request_ids), k_len, dtype=torch.bool, device=device))
+        if padding is not None and padding.shape[-1] <= k_len:  # keys beyond it (a static cache's) are not real
+            real = torch.zeros(len(state.request_ids), k_len, dtype=torch.bool, device=device)
+            real[:, : padding.shape[-1]] = padding.to(device) != 0
+        else:
+            real = torch.ones(len(state.request_ids), k_len, dtype=torch.bool, device=device)
         chosen = [b for b, sampled in enumerate(state.sampled) if sampled]
         on_host = real.cpu().numpy()[chosen]  # [S, K]
         among_real = np.cumsum(on_host, axis=1) - 1  # each real key's index among the sequence's real keys
@@ -269,22 +352,75 @@ class AttentionTap(AttentionWrapper):
         state.plans[(k_len, offset)] = plan
         return plan
 
-    def _traces(self, capture: _Capture) -> list[tuple[TraceHeader, NDArray[np.float16]]]:
-        """Header and weights of each sequence of a capture (on the sender thread): the
-        rows it sampled, over its real keys."""
+    def _traces(self, capture: _Capture) -> list[tuple[Any, ...]]:
+        """Header, weights (and the learned sink's mass) of each sequence of a capture,
+        on the sender thread: its prompt rows, then its decoding steps', each over the
+        sequence's real keys as of the last step (a row sees none of the keys after it)."""
         plan, request = capture.plan, capture.request
         template = self._templates[capture.layer]
-        out = []
+        steps = capture.decode.chosen()
+        out: list[tuple[Any, ...]] = []
         for i, b in enumerate(plan.sequences.tolist()):
             request_id = request.request_ids[b]
-            weights = np.ascontiguousarray(capture.weights[i, :, : plan.counts[i]][:, :, plan.keys[i]])
+            prompt_keys = plan.keys[i]  # the prompt's real key positions
+            count = plan.counts[i]
+            if steps and capture.real is not None:
+                keys = np.flatnonzero(capture.real[i])  # real key positions up to the last step
+                total = int(keys[-1]) + 1
+                weights = np.zeros((capture.weights.shape[1], count + len(steps), total), np.float16)
+                weights[:, :count, : capture.weights.shape[-1]] = capture.weights[i, :, :count]
+                for r, step in enumerate(steps):
+                    weights[:, count + r, : step.keys] = step.weights[i]
+                weights = np.ascontiguousarray(weights[:, :, keys])
+                among = np.searchsorted(keys, [step.position for step in steps])
+                positions = (*plan.positions[i], *(int(p) for p in among))
+                extra = {"prompt_length": len(prompt_keys), "key_count": len(keys)}
+                sink = None if capture.sink is None else np.ascontiguousarray(np.concatenate(
+                    [capture.sink[i, :, :count], np.stack([step.sink[i] for step in steps if step.sink is not None],
+                                                          axis=-1)], axis=-1))
+            else:
+                weights = np.ascontiguousarray(capture.weights[i, :, :count][:, :, prompt_keys])
+                positions = plan.positions[i]
+                extra = {"key_count": len(prompt_keys)}
+                sink = None if capture.sink is None else np.ascontiguousarray(capture.sink[i, :, :count])
             trace_id = f"{request_id}/{capture.layer}/{uuid.uuid4().hex[:12]}" if len(request_id) <= 100 \
                 else uuid.uuid4().hex
             header = template.model_copy(update={
-                "trace_id": trace_id, "request_id": request_id, "query_positions": plan.positions[i],
-                "key_count": len(plan.keys[i]), "scope": request.scope, "timestamp": request.timestamp})
-            out.append((header, weights))
+                "trace_id": trace_id, "request_id": request_id, "query_positions": positions, "scope": request.scope,
+                "timestamp": request.timestamp, **extra})
+            out.append((header, weights) if sink is None else (header, weights, sink))
         return out
+
+
+def _own_position(mask: torch.Tensor | None, k_len: int) -> int:
+    """The key position of a decoding step's query (one token): the last key its mask
+    shows (a static cache holds more keys than are filled), or the newest key."""
+    if mask is None or mask.ndim < 4:
+        return k_len - 1
+    row = mask[0, 0, -1]
+    visible = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    shown = torch.nonzero(visible)
+    return int(shown.max()) if len(shown) else k_len - 1
+
+
+def _real_keys(padding: torch.Tensor | None, sequences: torch.Tensor, k_len: int,
+               device: torch.device) -> torch.Tensor:
+    """``[S, k_len]``: the traced sequences' real (not padding) keys, from the 2-D mask the
+    model was last called with (keys beyond it, in a static cache, are not real)."""
+    real = torch.zeros(len(sequences), k_len, dtype=torch.bool, device=device)
+    if padding is None:
+        real[:] = True
+        return real
+    known = min(padding.shape[-1], k_len)
+    real[:, :known] = padding.to(device)[sequences, :known] != 0
+    return real
+
+
+def _sink_layers(model: Any) -> frozenset[int] | None:
+    """The layers whose attention modules have learned sink logits (gpt-oss's ``sinks``)."""
+    found = {int(m.layer_idx) for m in model.modules()
+             if learned_sinks(m) is not None and isinstance(getattr(m, "layer_idx", None), int)}
+    return frozenset(found) or None
 
 
 def _rank(index: NDArray[np.uint64], seed: NDArray[np.uint64]) -> NDArray[np.uint64]:
@@ -300,46 +436,6 @@ def _rank(index: NDArray[np.uint64], seed: NDArray[np.uint64]) -> NDArray[np.uin
     return x
 
 
-def _row_weights(query: torch.Tensor, key: torch.Tensor, plan: _Plan, offset: int, scaling: float,
-                 mask: torch.Tensor | None, kwargs: dict[str, Any], is_causal: bool) -> torch.Tensor:
-    """``[S, H, R, K]`` softmax weights of the planned rows of every traced sequence at
-    once; padding keys get no weight."""
-    s, r = plan.rows.shape
-    heads, groups, k_len, dim = query.shape[1], key.shape[1], key.shape[2], query.shape[3]
-    q = query[plan.sequences[:, None], :, plan.rows - offset].transpose(1, 2).float()  # [S, H, R, d]
-    k = (key if s == key.shape[0] else key[plan.sequences]).float()  # [S, G, K, d]
-    # query head h uses KV head h // (H / G): group the query heads instead of repeating K
-    scores = torch.matmul(q.reshape(s, groups, heads // groups * r, dim), k.transpose(-1, -2))
-    scores = scores.reshape(s, heads, r, k_len) * scaling
-    softcap = kwargs.get("softcap")
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    bias = kwargs.get("position_bias")
-    if isinstance(bias, torch.Tensor):
-        scores = scores + _pick(bias, plan, offset).float()
-    visible = plan.real[:, None, None, :]  # [S, 1, 1, K]
-    if mask is None or mask.ndim < 4:  # flash kernels get no mask or the 2-D padding mask (in plan.real)
-        keys = torch.arange(k_len, device=scores.device)
-        if is_causal:
-            visible = visible & (keys <= plan.rows[:, :, None])[:, None]
-        window = kwargs.get("sliding_window")
-        if window:
-            visible = visible & (plan.rows[:, :, None] - keys < window)[:, None]
-    elif mask.dtype == torch.bool:
-        visible = visible & _pick(mask, plan, offset)
-    else:
-        additive = _pick(mask, plan, offset).float()
-        visible = visible & (additive > torch.finfo(mask.dtype).min / 2)
-        scores = scores + torch.where(visible, additive, torch.zeros_like(additive))
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-
-
-def _pick(tensor: torch.Tensor, plan: _Plan, offset: int) -> torch.Tensor:
-    """The planned rows of a ``[B or 1, H or 1, Q, K]`` mask or bias: ``[S, H or 1, R, K]``."""
-    batch = plan.sequences if tensor.shape[0] > 1 else torch.zeros_like(plan.sequences)
-    return tensor[batch[:, None], :, plan.rows - offset].transpose(1, 2)
-
-
 def _module_scale(model: Any) -> float | None:
     """The softmax scale the model's attention modules use, when they say (one for all)."""
     scales = {float(m.scaling) for m in model.modules() if isinstance(getattr(m, "scaling", None), (int, float))
@@ -352,13 +448,16 @@ def _module_scale(model: Any) -> float | None:
 def attach(model: Any, sink: Sink | Any, *, rows: int = 4, sample_rate: float = 0.01,
            layers: Sequence[int] | None = None, seed: int = 0, model_id: str | None = None,
            revision: str | None = None, scope: Scope | None = None, producer_id: str | None = None,
-           queue_size: int = 1024) -> AttentionTap:
+           queue_size: int = 1024, decode_rows: int = 4) -> AttentionTap:
     """Tap ``model``'s attention; traces of sampled requests go to ``sink`` (a
     :class:`~monitor.producer.TraceProducer`, or any callable taking a header and the
-    weights). ``model_id`` defaults to the config's name or path, ``revision`` to a
-    content hash of the weights, ``scope`` to tenant ``default`` / data class
-    ``internal``, ``producer_id`` to this host's name."""
+    weights, and the learned sink's mass when the layer has one). ``rows``: prompt rows
+    per trace; ``decode_rows``: decoding steps per trace during ``generate``, spread over
+    the generation, plus the last (0: none). ``model_id`` defaults to the config's name
+    or path, ``revision`` to a content hash of the weights, ``scope`` to tenant
+    ``default`` / data class ``internal``, ``producer_id`` to this host's name."""
     return AttentionTap(model, sink, rows=rows, sample_rate=sample_rate, layers=layers, seed=seed,
                         model_id=model_id, revision=revision,
                         scope=scope or Scope(tenant="default", data_class="internal"),
-                        producer_id=producer_id or socket.gethostname()[:128], queue_size=queue_size)
+                        producer_id=producer_id or socket.gethostname()[:128], queue_size=queue_size,
+                        decode_rows=decode_rows)

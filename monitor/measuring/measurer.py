@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Ahead, Anomaly, Detector, DetectorConfig, Observation, Verdict
+from monitor.core.generation import learned_sink_mass, prompt_mass
 from monitor.core.join import RecentKeys
 from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
@@ -84,17 +85,22 @@ class ObservedChunk(list["Observed | Rejected"]):
             return list, (list(self),)
         rest = [None if isinstance(item, Observed) else item for item in self]
         fields = [(i, o.identity, o.heads, o.seconds) for i, o in traces]
+        heads = traces[0][1].metrics.entropy.shape
         arrays = [np.stack([np.asarray(getattr(o.metrics, name)) for _, o in traces]) for name in _STACKED]
+        arrays += [np.stack([np.full(heads, np.nan) if getattr(o.metrics, name) is None else getattr(o.metrics, name)
+                             for _, o in traces]) for name in _OPTIONAL]
         return _unstack, (rest, fields, *arrays)
 
 
 _STACKED = ("entropy", "concentration", "sink_share", "similarity", "diversity", "effective_heads")
+_OPTIONAL = ("prompt_mass", "learned_sink")
 
 
 def _unstack(rest: list[Any], fields: list[tuple[Any, ...]],
              *arrays: NDArray[np.float64]) -> list[Observed | Rejected]:
     for row, (i, identity, heads, seconds) in enumerate(fields):
-        rest[i] = Observed(identity, heads, HeadMetrics(*(a[row] for a in arrays)), seconds)
+        values = dict(zip((*_STACKED, *_OPTIONAL), (a[row] for a in arrays), strict=True))
+        rest[i] = Observed(identity, heads, HeadMetrics(**values), seconds)
     return rest
 
 
@@ -240,6 +246,8 @@ class Measurer:
                     assert whole.row_mass is not None and whole.hidden_mass is not None
                     passed = masses_within(whole.row_mass, whole.hidden_mass, valid, traces[members[0]].header.dtype,
                                            self.limits)
+                    # rows with a learned sink sum to one with it: each is checked alone, in _checked
+                    passed &= np.array([traces[j].sink is None for j in members])
                     batch = _split(whole)
             except Exception as exc:
                 if len(members) == 1:
@@ -270,7 +278,12 @@ class Measurer:
             log.error("measuring failed unexpectedly at %s/%d@%d", record.topic, record.partition, record.offset,
                       exc_info=exc)
             return Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", trace.header)
-        kept = replace(metrics, row_mass=None, hidden_mass=None)  # checked: they go no further
+        heads = len(trace.header.heads)
+        header = trace.header
+        kept = replace(metrics, row_mass=None, hidden_mass=None,  # checked: they go no further
+                       prompt_mass=np.full(heads, np.nan) if header.prompt_length is None else
+                       prompt_mass(trace.weights, trace.valid, header.query_positions, header.prompt_length),
+                       learned_sink=np.full(heads, np.nan) if trace.sink is None else learned_sink_mass(trace.sink))
         return Observed(trace_identity(trace, record), tuple(trace.header.heads), kept,
                         spent + time.perf_counter() - started)
 
@@ -312,6 +325,7 @@ def _split(m: HeadMetrics) -> list[HeadMetrics]:
     assert m.row_mass is not None and m.hidden_mass is not None
     return [HeadMetrics(m.entropy[b], m.concentration[b], m.sink_share[b], m.similarity[b], m.diversity[b],
                         m.effective_heads[b], m.row_mass[b], m.hidden_mass[b]) for b in range(len(m.diversity))]
+
 
 
 def trace_identity(trace: Trace, record: Record) -> TraceIdentity:

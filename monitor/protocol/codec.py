@@ -60,19 +60,28 @@ class Trace:
     contract: ModelContract
     layer: LayerContract
     key_id: str
+    sink: NDArray[np.generic] | None = None  #: [heads, rows]: each row's mass on the learned sink
 
 
-def encode(header: TraceHeader, weights: NDArray[np.generic], key_id: str, secret: bytes) -> bytes:
+def encode(header: TraceHeader, weights: NDArray[np.generic], key_id: str, secret: bytes,
+           sink: NDArray[np.generic] | None = None) -> bytes:
     """One signed record. ``weights [heads, rows, keys]`` must match the header's shape
-    and dtype; nothing is converted behind the producer's back."""
-    w = np.asarray(weights)
+    and dtype, and so must ``sink [heads, rows]`` (each row's mass on a learned sink),
+    given exactly when the header says ``learned_sink``; nothing is converted behind the
+    producer's back. Header fields at their defaults are left out of the record."""
     want = DTYPES[header.dtype]
-    if w.dtype.newbyteorder("<") != want:
-        raise ValueError(f"weights are {w.dtype}, the header says {header.dtype}")
-    if w.shape != header.shape:
-        raise ValueError(f"weights have shape {w.shape}, the header says {header.shape}")
-    payload = np.ascontiguousarray(w, dtype=want).tobytes()
-    return wire.pack(header.model_dump_json().encode(), payload, key_id, secret)
+    arrays: list[tuple[str, NDArray[np.generic], tuple[int, ...]]] = [("weights", np.asarray(weights), header.shape)]
+    if header.learned_sink != (sink is not None):
+        raise ValueError("give the sink's mass exactly when the header says learned_sink")
+    if sink is not None:
+        arrays.append(("sink", np.asarray(sink), header.shape[:2]))
+    for name, array, shape in arrays:
+        if array.dtype.newbyteorder("<") != want:
+            raise ValueError(f"{name} are {array.dtype}, the header says {header.dtype}")
+        if array.shape != shape:
+            raise ValueError(f"{name} have shape {array.shape}, the header says {shape}")
+    payload = b"".join(np.ascontiguousarray(array, dtype=want).tobytes() for _, array, _ in arrays)
+    return wire.pack(header.model_dump_json(exclude_defaults=True).encode(), payload, key_id, secret)
 
 
 def valid_keys(header: TraceHeader) -> NDArray[np.bool_]:
@@ -81,7 +90,10 @@ def valid_keys(header: TraceHeader) -> NDArray[np.bool_]:
     keys = _key_indices(k)
     visible: NDArray[np.bool_]
     if header.mask == "causal":
-        visible = keys[None, :] <= np.array(header.query_positions)[:, None]
+        positions = np.array(header.query_positions)[:, None]
+        visible = keys[None, :] <= positions
+        if header.window is not None:
+            visible &= keys[None, :] > positions - header.window
     else:
         visible = np.ones((len(header.query_positions), k), dtype=bool)
     if header.padding:
@@ -129,7 +141,7 @@ def decode(
         raise TraceRejected(RejectReason.BAD_SIGNATURE, f"HMAC does not verify under key {frame.key_id!r}")
     header = _parse_header(frame.header)
     try:
-        weights = _payload(header, frame.payload, limits)
+        weights, sink = _payload(header, frame.payload, limits)
         if not scopes.permits(header.scope):
             raise TraceRejected(RejectReason.SCOPE_DENIED,
                                 f"scope {header.scope.tenant}:{header.scope.data_class} is not allowed here")
@@ -141,13 +153,15 @@ def decode(
         valid = valid_keys(header)
         if check_values:
             _check_values(weights)
+            if sink is not None:
+                _check_values(sink)
         if check_mass:
             shown, hidden = row_mass(weights, valid)
-            _check_mass(header, shown, hidden, valid, limits)
+            _check_mass(header, shown, hidden, valid, limits, sink)
     except TraceRejected as exc:
         exc.header = header
         raise
-    return Trace(header, weights, valid, contract, layer, frame.key_id)
+    return Trace(header, weights, valid, contract, layer, frame.key_id, sink)
 
 
 def named_contract(data: bytes | memoryview | None, limits: Limits | None = None) -> str | None:
@@ -194,7 +208,8 @@ def _parse_header(raw: memoryview) -> TraceHeader:
         raise TraceRejected(RejectReason.MALFORMED, f"header field {where}: {first['msg']}") from exc
 
 
-def _payload(header: TraceHeader, payload: memoryview, limits: Limits) -> NDArray[np.generic]:
+def _payload(header: TraceHeader, payload: memoryview,
+             limits: Limits) -> tuple[NDArray[np.generic], NDArray[np.generic] | None]:
     h, r, k = header.shape
     if h > limits.max_heads or r > limits.max_rows or k > limits.max_keys:
         raise TraceRejected(RejectReason.OVERSIZED, f"shape {[h, r, k]} exceeds limits "
@@ -202,12 +217,15 @@ def _payload(header: TraceHeader, payload: memoryview, limits: Limits) -> NDArra
     if header.dtype not in limits.dtypes:
         raise TraceRejected(RejectReason.UNSUPPORTED_DTYPE, f"dtype {header.dtype} is not accepted here")
     dtype = DTYPES[header.dtype]
-    expected = h * r * k * dtype.itemsize
+    size = h * r * k * dtype.itemsize
+    expected = size + (h * r * dtype.itemsize if header.learned_sink else 0)
     if len(payload) != expected:
+        shape = f"shape {[h, r, k]}" + (f" and a learned sink's {[h, r]}" if header.learned_sink else "")
         raise TraceRejected(RejectReason.SHAPE_MISMATCH,
-                            f"payload has {len(payload)} bytes, shape {[h, r, k]} of {header.dtype} needs {expected}")
-    weights: NDArray[np.generic] = np.frombuffer(payload, dtype=dtype).reshape(h, r, k)
-    return weights
+                            f"payload has {len(payload)} bytes, {shape} of {header.dtype} needs {expected}")
+    weights: NDArray[np.generic] = np.frombuffer(payload[:size], dtype=dtype).reshape(h, r, k)
+    sink = np.frombuffer(payload[size:], dtype=dtype).reshape(h, r) if header.learned_sink else None
+    return weights, sink
 
 
 def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelContract, LayerContract]:
@@ -227,6 +245,10 @@ def _contract(header: TraceHeader, contracts: ContractLookup) -> tuple[ModelCont
     layer = contract.layer(header.layer)
     if layer is None:
         mismatch.append(f"layer {header.layer} is not in the contract")
+    else:
+        mismatch += [f"{name} {got!r} != contract's {want!r} for layer {layer.layer}" for name, got, want in (
+            ("window", header.window, layer.window), ("learned_sink", header.learned_sink, bool(layer.learned_sink)))
+            if got != want]
     if mismatch or layer is None:
         raise TraceRejected(RejectReason.CONTRACT_MISMATCH, "; ".join(mismatch))
     if len(set(header.heads)) != len(header.heads):
@@ -262,7 +284,7 @@ def check_mass(trace: Trace, shown: NDArray[np.float64], hidden: NDArray[np.floa
     """The masked-mass and row-sum checks of :func:`decode`, on row masses ``[H, R]``
     measured elsewhere; raises :class:`TraceRejected` (with the header attached)."""
     try:
-        _check_mass(trace.header, shown, hidden, trace.valid, limits)
+        _check_mass(trace.header, shown, hidden, trace.valid, limits, trace.sink)
     except TraceRejected as exc:
         exc.header = trace.header
         raise
@@ -283,15 +305,19 @@ def masses_within(shown: NDArray[np.float64], hidden: NDArray[np.float64], valid
 
 
 def _check_mass(header: TraceHeader, shown: NDArray[np.float64], hidden: NDArray[np.float64],
-                valid: NDArray[np.bool_], limits: Limits) -> None:
+                valid: NDArray[np.bool_], limits: Limits, sink: NDArray[np.generic] | None = None) -> None:
+    """Rows put no weight on keys their mask hides, and sum to one over their valid keys
+    (with a learned sink: the keys' and the sink's mass together)."""
     worst_hidden = float(hidden.max())
     if worst_hidden > limits.masked_mass_tolerance:
         raise TraceRejected(RejectReason.MASKED_MASS, f"a row puts {worst_hidden:.3g} of its weight on keys its "
                             f"{header.mask} mask hides (tolerance {limits.masked_mass_tolerance})")
     tolerance = limits.row_sum_tolerance_float16 if header.dtype == "float16" else limits.row_sum_tolerance_float32
     seeing = np.asarray(valid.any(axis=-1))[None, :]  # rows with no visible key must carry no weight (checked above)
-    error = np.abs(np.where(seeing, shown - 1.0, 0.0))
+    total = shown if sink is None else shown + np.asarray(sink, dtype=np.float64)
+    error = np.abs(np.where(seeing, total - 1.0, 0.0))
     worst = int(np.argmax(error))
     if error.flat[worst] > tolerance:
-        raise TraceRejected(RejectReason.ROW_SUM, f"a row sums to {shown.flat[worst]:.4g} over its valid keys "
+        over = "over its valid keys" if sink is None else "over its valid keys and the learned sink"
+        raise TraceRejected(RejectReason.ROW_SUM, f"a row sums to {total.flat[worst]:.4g} {over} "
                             f"(tolerance {tolerance})")

@@ -34,6 +34,10 @@ class LayerContract(BaseModel):
     value_dim: int = Field(gt=0, description="d_v of every head")
     heads: tuple[str, ...] = Field(min_length=1, description="query head ids in declared order")
     kv_groups: tuple[int, ...] = Field(description="KV group of each query head, in head order")
+    window: int | None = Field(None, gt=0, description="sliding window: a causal row at position p sees keys "
+                               "p - window + 1 .. p (None: every earlier key)")
+    learned_sink: Literal[True] | None = Field(None, description="each head has a learned sink logit in its "
+                                               "softmax (gpt-oss): rows carry the sink's mass beside the keys'")
 
     @model_validator(mode="after")
     def _consistent(self) -> LayerContract:
@@ -71,7 +75,9 @@ class ModelContract(BaseModel):
         return self
 
     def canonical(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        """The serialization the content id hashes; optional fields left unset are left
+        out, so a contract that does not use them keeps the id it always had."""
+        return self.model_dump(mode="json", exclude_none=True)
 
     @cached_property
     def contract_id(self) -> str:

@@ -56,6 +56,12 @@ class TraceHeader(BaseModel):
     query_positions: tuple[int, ...] = Field(min_length=1, description="key index of each sampled row's token")
     key_count: int = Field(gt=0)
     mask: Literal["causal", "bidirectional"]
+    window: int | None = Field(None, gt=0, description="the layer's sliding window (causal): a row at position p "
+                               "sees keys p - window + 1 .. p; the contract's")
+    prompt_length: int | None = Field(None, gt=0, description="keys 0 .. prompt_length - 1 are the prompt; rows "
+                                      "at positions from prompt_length on are generated tokens (decode steps)")
+    learned_sink: bool = Field(False, description="the payload carries, after the weights, each row's mass on the "
+                               "layer's learned sink ([heads, rows], same dtype); the contract's")
     padding_side: Literal["left", "right"] = "right"
     padding: int = Field(default=0, ge=0, description="padded key positions on padding_side")
     scale: float = Field(gt=0)
@@ -83,6 +89,10 @@ class TraceHeader(BaseModel):
             raise ValueError("padding leaves no key")
         if any(p < 0 or p >= self.key_count for p in self.query_positions):
             raise ValueError("query_positions must index keys (0 <= position < key_count)")
+        if self.window is not None and self.mask != "causal":
+            raise ValueError("a sliding window needs the causal mask")
+        if self.prompt_length is not None and (self.mask != "causal" or self.prompt_length > self.key_count):
+            raise ValueError("prompt_length needs the causal mask and at most key_count keys")
         return self
 
     @property

@@ -90,6 +90,14 @@ class MonitorMetrics:
             for name, text in (("entropy", "normalised entropy"), ("concentration", "mean row maximum"),
                                ("sink_share", "mean weight on the first key"))
         }
+        #: only for layers whose traces carry them (a learned sink, decoding rows)
+        self.generation_metric = {
+            name: Histogram(f"attention_layer_{metric}", f"Mean over heads of the per-head {text}, per trace that "
+                            "has it.", layer, buckets=UNIT_BUCKETS, registry=r)
+            for name, metric, text in (("prompt_mass", "prompt_mass", "share of decoding rows' attention on the "
+                                        "prompt (lookback ratio)"),
+                                       ("learned_sink", "learned_sink_mass", "mass on the learned attention sink"))
+        }
         self.head_metric = {
             name: Histogram(f"attention_head_{name}", f"Per-head {name.replace('_', ' ')}, per trace "
                             "(detail_level=head).", [*layer, "head"], buckets=HEAD_BUCKETS, registry=r)
@@ -223,6 +231,7 @@ class LayerSeries:
         self.diversity = metrics.diversity.labels(*key)
         self.effective_heads = metrics.effective_heads.labels(*key)
         self.layer_metric = {name: family.labels(*key) for name, family in metrics.layer_metric.items()}
+        self._generation: dict[str, Any] = {}  #: created by the first trace that has the metric
         self._head_families = metrics.head_metric
         self._key = key
         self._heads: dict[str, list[tuple[str, Any]]] = {}
@@ -254,6 +263,14 @@ class LayerSeries:
             finite = [v for v in per_head if v == v]
             if finite:
                 self.layer_metric[name].observe(sum(finite) / len(finite))
+        for name in ("prompt_mass", "learned_sink"):
+            array = getattr(metrics, name)
+            finite = [] if array is None else [v for v in array.tolist() if v == v]
+            if finite:
+                child = self._generation.get(name)
+                if child is None:
+                    child = self._generation[name] = self._metrics.generation_metric[name].labels(*self._key)
+                child.observe(sum(finite) / len(finite))
         if self._head_families:
             for i, children in enumerate(self._head_children(heads)):
                 for name, child in children:

@@ -114,7 +114,7 @@ def test_the_revision_defaults_to_a_hash_of_the_weights():
     tap_b.detach()
 
 
-def test_generation_traces_the_prompt_pass_only_and_generates_the_same_tokens():
+def test_generation_traces_prompt_and_decoding_steps_and_generates_the_same_tokens():
     model, _ = twins("llama")
     prompt = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(3))
     untapped = model.generate(prompt, max_new_tokens=4, do_sample=False)
@@ -124,7 +124,9 @@ def test_generation_traces_the_prompt_pass_only_and_generates_the_same_tokens():
         tapped = model.generate(prompt, max_new_tokens=4, do_sample=False)
     tap.detach()
     assert torch.equal(tapped, untapped)
-    assert sorted((h.layer, h.key_count) for h, _ in sink.traces) == [(0, 8), (1, 8)]
+    # 8 prompt keys and the keys of the three decoding steps (the fourth token is never attended)
+    assert sorted((h.layer, h.key_count, h.prompt_length) for h, _ in sink.traces) == [(0, 11, 8), (1, 11, 8)]
+    assert all(h.query_positions[-1] == 10 for h, _ in sink.traces)  # the last step, at its position
 
 
 def test_sampling_is_reproducible_and_honours_its_rate():
