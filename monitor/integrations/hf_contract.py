@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from monitor.protocol.contract_derivation import default_mask
+from monitor.protocol.contract_derivation import default_mask, layer_windows
 from monitor.protocol.model_contract import LayerContract, ModelContract
 
 
@@ -24,26 +24,11 @@ def _positive(config: Any, name: str) -> int:
     return value
 
 
-def windows(config: Any) -> list[int | None]:
-    """Each layer's sliding window from a config: ``layer_types`` (gpt-oss, Gemma 3,
-    Qwen3: ``sliding_attention`` layers get ``sliding_window``), or ``sliding_window`` on
-    every layer (Mistral, Phi-3) unless ``use_sliding_window`` is false."""
-    c = _text_config(config)
-    layers = _positive(c, "num_hidden_layers")
-    window = getattr(c, "sliding_window", None)
-    window = window if isinstance(window, int) and window > 0 else None
-    types = getattr(c, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == layers:
-        return [window if kind == "sliding_attention" else None for kind in types]
-    if getattr(c, "use_sliding_window", None) is False:
-        return [None] * layers
-    return [window] * layers
-
-
 def contract_from_config(config: Any, model_id: str, revision: str, *, mask: str | None = None,
                          scale: float | None = None, sinks: frozenset[int] | None = None) -> ModelContract:
     """The model contract of any architecture transformers loads: layers, heads, KV groups
-    and head dimensions from ``config``; each layer's sliding window (:func:`windows`);
+    and head dimensions from ``config``; each layer's sliding window
+    (:func:`~monitor.protocol.contract_derivation.layer_windows`);
     the mask kind from the model type (encoders such as BERT are bidirectional) unless
     given; the scale ``head_dim ** -0.5`` (or the config's ``query_pre_attn_scalar **
     -0.5``) unless given; ``sinks``: the layers with learned sink logits (gpt-oss: every
@@ -62,7 +47,7 @@ def contract_from_config(config: Any, model_id: str, revision: str, *, mask: str
     per_group = heads // groups
     if sinks is None and getattr(c, "model_type", None) == "gpt_oss":
         sinks = frozenset(range(layers))
-    window = windows(config)
+    window = layer_windows(_text_config(config).to_dict())
     return ModelContract(
         model_id=model_id,
         model_revision=revision,

@@ -9,10 +9,14 @@ then a JSON object ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": 
 The model revision is the SHA-256 of the checkpoint files' bytes (in the order given),
 so it names the weights exactly.
 
-Tensor names differ by family; :data:`PATTERNS` knows decoder (Llama-style), encoder
-(BERT-style) and DistilBERT names, and any other scheme is one regular expression away
-(``pattern``, ``--pattern``): it must name the groups ``layer`` and ``proj``, where
-``proj`` is one of the names in :data:`PROJECTIONS`.
+Tensor names differ by family; :data:`PATTERNS` knows decoder names (Llama, Mistral,
+Qwen3, Gemma 3, gpt-oss, Phi-3: ``self_attn.q_proj``…), encoder (BERT-style), DistilBERT
+and GPT-2 (a fused ``c_attn`` holding query, key and value), and any other scheme is one
+regular expression away (``pattern``, ``--pattern``): it must name the groups ``layer``
+and ``proj``, where ``proj`` is one of the names in :data:`PROJECTIONS`. Sliding windows
+come from the config (``layer_types`` and ``sliding_window``: :func:`layer_windows`),
+learned sinks from the tensors (``self_attn.sinks``, gpt-oss), and Gemma's
+``query_pre_attn_scalar`` sets the scale.
 """
 
 from __future__ import annotations
@@ -30,19 +34,50 @@ from monitor.protocol.model_contract import LayerContract, ModelContract
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: attention projection tensors, by naming scheme
 PATTERNS = {
-    # Llama, Mistral, Qwen, Gemma, …: model.layers.N.self_attn.{q,k,v,o}_proj.weight
-    "decoder": r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>[qkvo])_proj\.weight$",
+    # Llama, Mistral, Qwen, Gemma, gpt-oss, …: model.layers.N.self_attn.{q,k,v,o}_proj.weight;
+    # Phi-3 fuses query, key and value row-wise: self_attn.qkv_proj.weight
+    "decoder": r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>[qkvo]|qkv)_proj\.weight$",
     # BERT, RoBERTa, MiniLM, ELECTRA, …: encoder.layer.N.attention.self.query.weight, ….output.dense.weight
     "encoder": r"(?:^|\.)layer\.(?P<layer>\d+)\.attention\.(?P<proj>self\.(?:query|key|value)|output\.dense)\.weight$",
     # DistilBERT: transformer.layer.N.attention.{q,k,v,out}_lin.weight
     "distilbert": r"(?:^|\.)layer\.(?P<layer>\d+)\.attention\.(?P<proj>[qkv]|out)_lin\.weight$",
+    # GPT-2: h.N.attn.c_attn.weight ([d_model, 3 · d_model], Conv1D: input first), h.N.attn.c_proj.weight
+    "gpt2": r"(?:^|\.)h\.(?P<layer>\d+)\.attn\.(?P<proj>c_attn|c_proj)\.weight$",
 }
+#: a learned sink logit per head (gpt-oss): model.layers.N.self_attn.sinks
+SINKS = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.sinks$")
 #: what a ``proj`` group may say, and which projection it is
 PROJECTIONS = {"q": "q", "k": "k", "v": "v", "o": "o", "out": "o", "query": "q", "key": "k", "value": "v",
-               "self.query": "q", "self.key": "k", "self.value": "v", "output.dense": "o"}
+               "self.query": "q", "self.key": "k", "self.value": "v", "output.dense": "o",
+               "qkv": "qkv-rows", "c_attn": "qkv", "c_proj": "o-conv1d"}
 #: model types whose self-attention is bidirectional (unless the config says is_decoder)
 ENCODER_MODEL_TYPES = frozenset({"albert", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra",
                                  "ernie", "modernbert", "mpnet", "roberta", "xlm-roberta"})
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config that describes the attention layers (a multimodal config's
+    ``text_config``)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def layer_windows(config: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window: ``layer_types`` (gpt-oss, Gemma 3, Qwen3:
+    ``sliding_attention`` layers get ``sliding_window``), or ``sliding_window`` on every
+    layer (Mistral, Phi-3) unless ``use_sliding_window`` is false."""
+    c = text_config(config)
+    layers = c.get("num_hidden_layers", c.get("n_layer"))
+    if not isinstance(layers, int) or layers <= 0:
+        raise CheckpointError("config.num_hidden_layers must be a positive integer")
+    window = c.get("sliding_window")
+    window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+    types = c.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    if c.get("use_sliding_window") is False:
+        return [None] * layers
+    return [window] * layers
 
 
 def default_mask(model_type: str | None, is_decoder: bool = False) -> str:
@@ -115,16 +150,25 @@ def derive_contract(
         sample = ", ".join(sorted(shapes)[:5])
         raise CheckpointError(f"no attention projections match {' or '.join(map(repr, candidates))} in "
                               f"{len(shapes)} tensors (e.g. {sample}); give --pattern with groups layer and proj")
-    heads = config.get("num_attention_heads")
+    c = text_config(config)
+    heads = c.get("num_attention_heads", c.get("n_head"))
     if not isinstance(heads, int) or heads <= 0:
         raise CheckpointError("config.num_attention_heads must be a positive integer")
-    layers = [_layer(n, projections[n], heads, config) for n in sorted(projections)]
+    sinks = {int(match["layer"]) for name in shapes if (match := SINKS.search(name)) is not None}
+    try:
+        windows = layer_windows(config)
+    except CheckpointError:
+        windows = []
+    layers = [_layer(n, projections[n], heads, c).model_copy(update={
+        "window": windows[n] if n < len(windows) else None, "learned_sink": True if n in sinks else None})
+        for n in sorted(projections)]
     head_dim = layers[0].head_dim
+    scalar = c.get("query_pre_attn_scalar")
     return ModelContract(
         model_id=model_id,
         model_revision=revision or weights_hash(paths),
-        mask=mask or default_mask(config.get("model_type"), bool(config.get("is_decoder", False))),
-        scale=scale if scale is not None else head_dim**-0.5,  # as transformers computes it
+        mask=mask or default_mask(c.get("model_type", config.get("model_type")), bool(c.get("is_decoder", False))),
+        scale=scale if scale is not None else (float(scalar) if scalar else head_dim) ** -0.5,  # as transformers does
         layers=tuple(layers),
     )
 
@@ -150,6 +194,22 @@ def _projections(shapes: dict[str, tuple[int, ...]], pattern: str) -> dict[int, 
 
 
 def _layer(number: int, proj: dict[str, tuple[int, ...]], heads: int, config: dict[str, Any]) -> LayerContract:
+    if "qkv" in proj:  # GPT-2's fused Conv1D: [d_model, 3 · d_model], input first
+        if len(proj["qkv"]) != 2 or proj["qkv"][1] % 3:
+            raise CheckpointError(f"layer {number}: c_attn is {list(proj['qkv'])}, expected [d_model, 3 · d_model]")
+        d_model, fused = proj.pop("qkv")
+        proj |= dict.fromkeys("qkv", (fused // 3, d_model))
+    if "qkv-rows" in proj:  # Phi-3: [q_out + 2 · k_out, d_model], split by the config's heads and groups
+        out, d_model = proj.pop("qkv-rows")
+        head_dim = config.get("head_dim") or d_model // heads
+        groups = config.get("num_key_value_heads") or heads
+        if heads * head_dim + 2 * groups * head_dim != out:
+            raise CheckpointError(f"layer {number}: qkv_proj has {out} outputs, {heads} heads and {groups} KV groups "
+                                  f"of {head_dim} need {heads * head_dim + 2 * groups * head_dim}")
+        proj |= {"q": (heads * head_dim, d_model), "k": (groups * head_dim, d_model), "v": (groups * head_dim, d_model)}
+    if "o-conv1d" in proj:  # [input, output]
+        o_in, o_out = proj.pop("o-conv1d")
+        proj["o"] = (o_out, o_in)
     missing = [p for p in "qkvo" if p not in proj]
     if missing:
         raise CheckpointError(f"layer {number}: missing {', '.join(p + '_proj' for p in missing)}")
