@@ -190,6 +190,12 @@ class AttentionTap(AttentionWrapper):
         finally:
             _ACTIVE.reset(token)
             for capture in state.captures.values():  # the request is done: its traces go
+                try:
+                    capture.decode.finish()
+                except Exception as exc:  # the tap never breaks the model's caller
+                    self._sender.failed(len(capture.plan.counts))
+                    log.warning("attention tap: the last decoding step failed: %s: %s", type(exc).__name__, exc)
+                    continue
                 self._sender.offer(capture, traces=len(capture.plan.counts))
 
     @property
@@ -294,7 +300,22 @@ class AttentionTap(AttentionWrapper):
             return
         if q_len != 1 or not self.decode_rows:
             return  # another forward of a traced layer: one prompt pass per request
+        decode, index = captured.decode, captured.decode.steps
+
+        def recompute() -> Step:
+            return self._decode_step(state, captured, index, query, key, mask, kwargs, scaling, is_causal, sinks)
+
+        if decode.keeps(index):
+            decode.offer(recompute())
+        else:
+            decode.hold(index, recompute)
+
+    def _decode_step(self, state: _Request, captured: _Capture, index: int, query: torch.Tensor, key: torch.Tensor,
+                     mask: torch.Tensor | None, kwargs: dict[str, Any], scaling: float, is_causal: bool,
+                     sinks: torch.Tensor | None) -> Step:
+        """One decoding step's row of each traced sequence, over the keys so far."""
         plan = captured.plan
+        k_len, heads = key.shape[2], query.shape[1]
         # the cache may not start at the sequence's first key (a sliding-window layer's
         # keeps the last window), nor end at the query (a static cache is longer): the
         # query's own key is the last its mask shows, and its absolute position the
@@ -311,9 +332,9 @@ class AttentionTap(AttentionWrapper):
                                         is_causal, sinks)
         row = np.zeros((len(plan.counts), heads, absolute + 1), np.float16)
         row[:, :, shift : shift + own + 1] = weights[:, :, 0, : own + 1].to(torch.float16).cpu().numpy()
-        captured.decode.offer(Step(captured.decode.steps, absolute, absolute + 1, row,
-                                   None if sink is None else sink[:, :, 0].to(torch.float16).cpu().numpy()))
         captured.real = real.cpu().numpy()
+        return Step(index, absolute, absolute + 1, row,
+                    None if sink is None else sink[:, :, 0].to(torch.float16).cpu().numpy())
 
     def _plan(self, state: _Request, k_len: int, offset: int, device: torch.device) -> _Plan | None:
         """The request's plan for ``k_len`` keys (made at its first traced layer): real

@@ -28,6 +28,7 @@ from monitor.core._blocks import Scratch
 from monitor.core.detect import Ahead, Anomaly, Detector, DetectorConfig, Observation, Verdict
 from monitor.core.generation import learned_sink_mass, prompt_mass
 from monitor.core.join import RecentKeys
+from monitor.core.mass import row_mass
 from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring import batching
@@ -233,21 +234,23 @@ class Measurer:
         of the same heads, rows and dtype and close key counts (:mod:`monitor.measuring.batching`)."""
         unmeasured: tuple[HeadMetrics | Exception, float, bool] = (ValueError("not measured"), 0.0, False)
         out = [unmeasured] * len(traces)
-        for members in batching.groups(traces):
+        shown = [_prompt_rows(t) for t in traces]  # a generation trace's head metrics are its prompt rows'
+        for members in batching.groups(shown):
             started = time.perf_counter()
             try:
                 passed = np.zeros(len(members), dtype=bool)
                 if len(members) == 1:
-                    t = traces[members[0]]
+                    t = shown[members[0]]
                     batch = [head_metrics(t.weights, t.valid, scratch=self._scratch, with_mass=True)]
                 else:
-                    weights, valid = batching.batch([traces[j] for j in members])
+                    weights, valid = batching.batch([shown[j] for j in members])
                     whole = head_metrics(weights, valid, scratch=self._scratch, with_mass=True)
                     assert whole.row_mass is not None and whole.hidden_mass is not None
                     passed = masses_within(whole.row_mass, whole.hidden_mass, valid, traces[members[0]].header.dtype,
                                            self.limits)
-                    # rows with a learned sink sum to one with it: each is checked alone, in _checked
-                    passed &= np.array([traces[j].sink is None for j in members])
+                    # rows with a learned sink sum to one with it, and a generation trace's decoding
+                    # rows were not in this pass: each of those is checked alone, in _checked
+                    passed &= np.array([traces[j].sink is None and shown[j] is traces[j] for j in members])
                     batch = _split(whole)
             except Exception as exc:
                 if len(members) == 1:
@@ -270,7 +273,9 @@ class Measurer:
                 check_values(trace)  # weights the core refused: say which fault, as decode would
                 raise metrics
             assert metrics.row_mass is not None and metrics.hidden_mass is not None
-            if not mass_ok:  # the batch's check passed it already
+            if trace.header.prompt_length is not None and not mass_ok:  # every row, decoding ones too
+                check_mass(trace, *row_mass(trace.weights, trace.valid), self.limits)
+            elif not mass_ok:  # the batch's check passed it already
                 check_mass(trace, metrics.row_mass, metrics.hidden_mass, self.limits)
         except TraceRejected as exc:
             return Rejected(exc.reason, exc.detail, exc.header)
@@ -318,6 +323,26 @@ class Measurer:
         for contract in contracts:
             table.add(contract)
         self.contracts = table
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Some rows of a trace, for the metrics core."""
+
+    weights: NDArray[np.generic]
+    valid: NDArray[np.bool_]
+
+
+def _prompt_rows(trace: Trace) -> Trace | _Rows:
+    """The rows the classic head metrics are taken over: a generation trace's prompt rows
+    (its decoding rows give its prompt mass), any other trace's every row."""
+    length = trace.header.prompt_length
+    if length is None:
+        return trace
+    prompt = np.array([p < length for p in trace.header.query_positions])
+    if prompt.all() or not prompt.any():
+        return trace
+    return _Rows(np.ascontiguousarray(trace.weights[:, prompt]), np.ascontiguousarray(trace.valid[prompt]))
 
 
 def _split(m: HeadMetrics) -> list[HeadMetrics]:

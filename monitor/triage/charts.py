@@ -27,7 +27,8 @@ from matplotlib.patches import Rectangle
 from monitor.triage.evidence import Point
 
 STYLE: Any = {"svg.fonttype": "none", "font.size": 9, "svg.hashsalt": "attention-monitor"}
-LABELS = {"entropy": "entropy (normalised)", "concentration": "concentration", "sink_share": "sink share"}
+LABELS = {"entropy": "entropy (normalised)", "concentration": "concentration", "sink_share": "sink share",
+          "learned_sink": "learned sink mass", "prompt_mass": "prompt mass (decoding rows)"}
 
 
 def _svg(figure: Figure) -> str:

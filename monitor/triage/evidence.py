@@ -16,8 +16,9 @@ from monitor.core.incidents import FAMILY, HEAD_SHARE
 STRONGEST = 10
 #: two-sided 95 % normal quantile, for the intervals of failure rates
 Z95 = 1.959963984540054
-#: head metrics the timelines show
-TIMELINE_METRICS = ("entropy", "concentration", "sink_share")
+#: head metrics the timelines show (the last two when the records carry them: a learned
+#: sink, decoding rows)
+TIMELINE_METRICS = ("entropy", "concentration", "sink_share", "learned_sink", "prompt_mass")
 #: heads the timelines show at most: the involved ones, then those most often named by findings
 TIMELINE_HEADS = 6
 
@@ -231,6 +232,8 @@ def _timelines(records: list[dict[str, Any]], shown: list[str]) -> dict[str, dic
         evidence = r["evidence"]
         heads = evidence["heads"]
         for metric in TIMELINE_METRICS:
+            if metric not in evidence["metrics"] or metric not in evidence["band"]:
+                continue
             values, band = evidence["metrics"][metric], evidence["band"][metric]
             for head in shown:
                 if head not in heads:

@@ -152,3 +152,22 @@ def test_the_reference_mean_matrix_survives_saving_and_merging():
     detector = Detector(DetectorConfig())
     detector.merge_state({"version": 3, "references": [{"key": ["m", "r", 0], "reference": old}], "decisions": []})
     assert detector.references[("m", "r", 0)].mean_matrix() is None
+
+
+def test_a_generation_models_prompt_mass_gets_its_own_panels_and_a_prefill_model_none():
+    """Records of traces with decoding rows carry each head's prompt mass against its band:
+    the page draws it beside the classic metrics, one panel per head; records without it
+    (every other test here) draw no such panel."""
+    recs = records()
+    for r in recs:
+        found = r.get("evidence")
+        if found:
+            heads = len(found["heads"])
+            found["metrics"]["prompt_mass"] = [0.3] * heads
+            found["band"]["prompt_mass"] = {"mean": [0.6] * heads, "sd": [0.05] * heads}
+    incident = evidence.incidents(recs)[0]
+    html = page.render(evidence.for_incident(recs, incident["incident_id"]))
+    panels = set(re.findall(r'<g id="timeline-(head-\d)-prompt_mass"', html))
+    assert panels and panels >= COLLAPSED_HEADS and "prompt mass (decoding rows)" in html
+    plain = page.render(evidence.for_incident(records(), incident["incident_id"]))
+    assert "prompt_mass" not in plain
