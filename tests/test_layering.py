@@ -25,7 +25,7 @@ RANKS: list[set[str]] = [
      "service.health"},
     {"protocol.wire", "protocol.schema", "protocol.model_contract", "protocol.decisions", "measuring.ring"},
     {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.contract_derivation", "triage",
-     "study", "service.exporter", "service.http", "service.state_file", "service.assignment"},
+     "study", "service.exporter", "service.http", "service.state_file", "service.assignment", "service.pins"},
     {"protocol.codec"},
     {"broker", "measuring.measurer"},
     {"settings", "measuring.child"},

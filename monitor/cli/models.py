@@ -60,13 +60,16 @@ def audit(
 
 @contract_app.command("derive")
 def contract_derive(
-    checkpoint: Annotated[list[Path], typer.Argument(help="safetensors file(s) of the checkpoint")],
-    config: Annotated[Path, typer.Option(help="the model's config.json (num_attention_heads, …)")],
+    checkpoint: Annotated[list[Path], typer.Argument(help="the checkpoint directory (its model.safetensors, or the "
+                                                     "files its index names), or safetensors file(s)")],
     model_id: Annotated[str, typer.Option(help="the model id traces will carry")],
+    config: Annotated[Path | None, typer.Option(help="the model's config.json (num_attention_heads, …); default: "
+                                                "config.json in the checkpoint directory")] = None,
     mask: Annotated[str | None, typer.Option(help="causal or bidirectional (default: bidirectional for "
                                              "encoder model types such as bert, causal otherwise)")] = None,
     scale: Annotated[float | None, typer.Option(help="softmax scale (default head_dim ** -0.5)")] = None,
-    revision: Annotated[str | None, typer.Option(help="revision (default: sha256 of the files)")] = None,
+    revision: Annotated[str | None, typer.Option(help="revision (default: sha256 of the files, the revision the "
+                                                 "transformers tap gives a model loaded from them)")] = None,
     pattern: Annotated[str | None, typer.Option(help="regex naming the attention projection tensors, with groups "
                                                 "layer and proj (q|k|v|o, query|key|value, self.query, "
                                                 "output.dense, …); default: the decoder, encoder and DistilBERT "
@@ -77,20 +80,30 @@ def contract_derive(
 
     Head counts, head dimensions and KV groups come from the tensors themselves; the
     config's num_attention_heads (and head_dim, num_key_value_heads when present) are
-    checked against them. Knows Llama-style (model.layers.N.self_attn.q_proj) and
-    BERT-style (encoder.layer.N.attention.self.query) names; --pattern for others.
-    Prints the contract JSON with its contract_id.
+    checked against them. Knows decoder (model.layers.N.self_attn.q_proj, Phi-3's
+    qkv_proj), BERT-style (encoder.layer.N.attention.self.query), DistilBERT and GPT-2
+    (fused c_attn) names; --pattern for others. The revision is the files' sha256, the
+    same the transformers tap names a model loaded from this checkpoint by (in any
+    dtype), so a pin by this revision pins that model's traces. Prints the contract JSON
+    with its contract_id.
     """
     from pydantic import ValidationError
 
-    from monitor.protocol.contract_derivation import CheckpointError, derive_contract
+    from monitor.protocol.contract_derivation import CheckpointError, checkpoint_files, derive_contract
 
     if mask not in (None, "causal", "bidirectional"):
         typer.echo(f"error: --mask must be causal or bidirectional, got {mask!r}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    directory = checkpoint[0] if len(checkpoint) == 1 and checkpoint[0].is_dir() else None
+    if config is None:
+        if directory is None:
+            typer.echo("error: give --config (config.json) when naming checkpoint files", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        config = directory / "config.json"
     cfg = load_json(config, "config")
     try:
-        model = derive_contract(checkpoint, cfg, model_id=model_id, mask=mask, scale=scale, revision=revision,
+        files = checkpoint if directory is None else checkpoint_files(directory)
+        model = derive_contract(files, cfg, model_id=model_id, mask=mask, scale=scale, revision=revision,
                                 pattern=pattern)
     except (CheckpointError, ValidationError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from monitor.core.policy import policy_fields
 from monitor.integrations.ablation import HeadAblation, Mode
-from monitor.integrations.hf_contract import contract_from_config, weights_revision
+from monitor.integrations.hf_contract import contract_from_config, model_revision
 from monitor.study.design import Head, head_name, magnitude_controls, random_controls, split
 from monitor.study.verdict import LEVEL, HeadSetResult, Interval, bootstrap, judge
 
@@ -282,7 +282,7 @@ def run_study(checkpoints: Sequence[tuple[str, Any]], tokenizer: Any, evalset: E
             for layer, head in unit:
                 if layer not in heads or not 0 <= head < heads[layer]:
                     raise ValueError(f"head {layer}.{head} is not in {name} ({len(heads)} layers)")
-        revision = weights_revision(model)
+        revision = model_revision(model)
         result.models.append({"name": name, "model_id": getattr(model.config, "name_or_path", "") or name,
                               "revision": revision, "config": type(model.config).__name__})
         model.eval()

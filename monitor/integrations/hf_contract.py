@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from monitor.protocol.contract_derivation import default_mask, layer_windows
+from monitor.protocol.contract_derivation import (
+    CheckpointError,
+    checkpoint_files,
+    checkpoint_revision,
+    default_mask,
+    layer_windows,
+)
 from monitor.protocol.model_contract import LayerContract, ModelContract
+
+log = logging.getLogger(__name__)
 
 
 def _text_config(config: Any) -> Any:
@@ -72,3 +82,71 @@ def weights_revision(model: Any) -> str:
         digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return f"sha256:{digest.hexdigest()}"
+
+
+def model_revision(model: Any) -> str:
+    """The revision a model's traces carry. A model that holds exactly the weights of the
+    safetensors checkpoint it was loaded from (each tensor the file's, cast to the dtype
+    it was loaded in) is named as ``attention-monitor contract derive`` names that
+    checkpoint: by its files (:func:`checkpoint_revision`), whatever the dtype, so a pin
+    by the derived revision pins its traces. Any other model (built in memory, changed
+    after loading, quantized) is named by its loaded weights (:func:`weights_revision`),
+    and the log says why."""
+    files = loaded_from(model)
+    if files is None:
+        return weights_revision(model)
+    differs = _differs_from(model, files)
+    if differs is None:
+        return checkpoint_revision(files)
+    log.info("%s: not the weights of %s (%s): its revision is that of its loaded weights, not the checkpoint's",
+             type(model).__name__, files[0].parent, differs)
+    return weights_revision(model)
+
+
+def loaded_from(model: Any) -> list[Path] | None:
+    """The safetensors files of the checkpoint ``model`` was loaded from (a directory, or
+    a hub id in the local cache), or None."""
+    name = getattr(model, "name_or_path", None) or ""
+    if not name:
+        return None
+    directory = Path(name)
+    if not directory.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json", revision=getattr(model.config, "_commit_hash", None))
+        if not isinstance(cached, str):
+            return None
+        directory = Path(cached).parent
+    try:
+        return checkpoint_files(directory)
+    except CheckpointError:
+        return None
+
+
+def _differs_from(model: Any, files: list[Path]) -> str | None:
+    """How the model's state differs from the checkpoint files, or None when it holds
+    them exactly. Tensors are compared one at a time, cast to the loaded dtype; file
+    tensors the model does not keep (old position-id buffers) do not matter, and a
+    tensor tied to one that matched (an output embedding) is that one."""
+    from safetensors import safe_open
+
+    state = model.state_dict()
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    matched: set[int] = set()
+    seen: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
+                name = next((n for n in (key, prefix + key, key.removeprefix(prefix)) if n in state), None)
+                if name is None or name in seen:
+                    continue
+                loaded = state[name].detach()
+                stored = f.get_tensor(key)
+                if stored.shape != loaded.shape or not torch.equal(stored.to(loaded.dtype), loaded.cpu()):
+                    return f"{name} differs"
+                seen.add(name)
+                matched.add(loaded.data_ptr())
+    for name, tensor in state.items():
+        if name not in seen and tensor.data_ptr() not in matched:
+            return f"{name} is not in the checkpoint"
+    return None

@@ -60,13 +60,13 @@ from numpy.typing import NDArray
 
 from monitor.integrations.attention_wrapper import AttentionWrapper
 from monitor.integrations.decoding import DecodeRows, Step
-from monitor.integrations.hf_contract import contract_from_config, weights_revision
+from monitor.integrations.hf_contract import contract_from_config, model_revision, weights_revision
 from monitor.integrations.recompute import learned_sinks, row_weights
 from monitor.integrations.sender import Sender, TapCounts
 from monitor.protocol.model_contract import ModelContract
 from monitor.protocol.schema import Scope, TraceHeader, check_identifier
 
-__all__ = ["AttentionTap", "TapCounts", "attach", "contract_from_config", "weights_revision"]
+__all__ = ["AttentionTap", "TapCounts", "attach", "contract_from_config", "model_revision", "weights_revision"]
 
 log = logging.getLogger(__name__)
 Sink = Callable[..., Any]  #: (header, weights[, sink mass]) -> anything
@@ -136,7 +136,7 @@ class AttentionTap(AttentionWrapper):
         self.scope, self.producer_id = scope, producer_id
         self._contract = contract_from_config(
             model.config, model_id or getattr(model.config, "name_or_path", None) or type(model).__name__,
-            revision or weights_revision(model), scale=_module_scale(model), sinks=_sink_layers(model))
+            revision or model_revision(model), scale=_module_scale(model), sinks=_sink_layers(model))
         known = {layer.layer for layer in self._contract.layers}
         self.layers = frozenset(known if layers is None else layers)
         if not self.layers <= known:
@@ -475,7 +475,9 @@ def attach(model: Any, sink: Sink | Any, *, rows: int = 4, sample_rate: float = 
     weights, and the learned sink's mass when the layer has one). ``rows``: prompt rows
     per trace; ``decode_rows``: decoding steps per trace during ``generate``, spread over
     the generation, plus the last (0: none). ``model_id`` defaults to the config's name
-    or path, ``revision`` to a content hash of the weights, ``scope`` to tenant
+    or path, ``revision`` to the checkpoint's as ``contract derive`` names it when the
+    model holds the weights of the safetensors checkpoint it was loaded from (in any
+    dtype), else a content hash of the loaded weights (:func:`model_revision`), ``scope`` to tenant
     ``default`` / data class ``internal``, ``producer_id`` to this host's name."""
     return AttentionTap(model, sink, rows=rows, sample_rate=sample_rate, layers=layers, seed=seed,
                         model_id=model_id, revision=revision,

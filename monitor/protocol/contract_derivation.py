@@ -6,8 +6,9 @@ what the tensors say). Nothing is assumed from ``d_model / H``.
 
 Only the safetensors *header* is read for shapes: 8 bytes little-endian header length,
 then a JSON object ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": …}``.
-The model revision is the SHA-256 of the checkpoint files' bytes (in the order given),
-so it names the weights exactly.
+The model revision is the SHA-256 of the checkpoint files' bytes, in file-name order
+(:func:`checkpoint_revision`), so it names the weights exactly; the transformers tap
+names a model loaded from these files, in any dtype, by the same revision.
 
 Tensor names differ by family; :data:`PATTERNS` knows decoder names (Llama, Mistral,
 Qwen3, Gemma 3, gpt-oss, Phi-3: ``self_attn.q_proj``…), encoder (BERT-style), DistilBERT
@@ -116,9 +117,29 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weights_hash(paths: Sequence[Path]) -> str:
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers loads from a checkpoint directory: those the
+    index ``model.safetensors.index.json`` names, else ``model.safetensors``."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+        files = [directory / name for name in names]
+    else:
+        files = [directory / "model.safetensors"]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: no safetensors checkpoint ({', '.join(missing)} missing)")
+    return files
+
+
+def checkpoint_revision(paths: Sequence[Path]) -> str:
+    """``sha256:…`` of the files' bytes in file-name order (the order given does not matter)."""
     digest = hashlib.sha256()
-    for path in paths:
+    for path in sorted(paths, key=lambda p: (p.name, str(p))):
         with path.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
@@ -166,7 +187,7 @@ def derive_contract(
     scalar = c.get("query_pre_attn_scalar")
     return ModelContract(
         model_id=model_id,
-        model_revision=revision or weights_hash(paths),
+        model_revision=revision or checkpoint_revision(paths),
         mask=mask or default_mask(c.get("model_type", config.get("model_type")), bool(c.get("is_decoder", False))),
         scale=scale if scale is not None else (float(scalar) if scalar else head_dim) ** -0.5,  # as transformers does
         layers=tuple(layers),

@@ -155,6 +155,9 @@ class MonitorMetrics:
                                          ["reason"], registry=r)
         self.contracts_evicted = Counter(f"{s}contracts_evicted", "Contracts dropped beyond MAX_CONTRACTS.",
                                          registry=r)
+        self.pin_unmatched = Gauge(f"{s}pin_unmatched", "1 while a pin names a model revision no known contract "
+                                   "has (its traces may carry another revision, which then goes unpinned).",
+                                   ["model", "revision", "reference"], registry=r)
         self._contract_counts: dict[str, int] = {}
         for reason in ("unsigned", "unknown_key", "not_allowed", "bad_signature", "id_mismatch", "malformed"):
             self.contracts_refused.labels(reason)
@@ -186,6 +189,14 @@ class MonitorMetrics:
             if new > 0:
                 (self.contracts_evicted if reason == "evicted" else self.contracts_refused.labels(reason)).inc(new)
                 self._contract_counts[reason] = count
+
+    def observe_pins(self, began: dict[tuple[str, str], str], ended: dict[tuple[str, str], str]) -> None:
+        """Pins whose revision no contract has (see :mod:`monitor.service.pins`): one series
+        each while it lasts (pins are few and made by operators)."""
+        for (model, revision), reference in ended.items():
+            self.pin_unmatched.remove(model, revision, reference)
+        for (model, revision), reference in began.items():
+            self.pin_unmatched.labels(model, revision, reference).set(1)
 
     def trace_processed(self, now: float) -> None:
         """Set the last-trace timestamp (the series exists from the first trace on)."""

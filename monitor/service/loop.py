@@ -53,6 +53,7 @@ from monitor.service.delivery import Delivery
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
 from monitor.service.http import MetricsServer
+from monitor.service.pins import PinCheck
 from monitor.service.pipeline import Batch, Pipeline
 from monitor.service.state_file import StateFile
 from monitor.settings import Settings
@@ -79,6 +80,7 @@ class Service:
                                       max_layer_series=settings.max_layer_series)
         self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
+        self.pins = PinCheck({})  #: with the settings' pins, once they are read (run)
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
         self.stopping = threading.Event()
@@ -137,6 +139,8 @@ class Service:
                 readers[-1].load(s.startup_timeout_s)
             log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
                      len(self.references.decisions))
+            self.pins = PinCheck(detector.pins)
+            self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
             frozen = collect_less()
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
@@ -235,6 +239,7 @@ class Service:
                 _complete(delivery, finished)
                 finished.clear()
             self.metrics.observe_contracts(self.contracts)
+            self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)

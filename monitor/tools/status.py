@@ -36,6 +36,7 @@ class Status:
     layers: dict[Layer, LayerStatus] = field(default_factory=lambda: defaultdict(LayerStatus))
     decisions: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unmatched_pins: list[tuple[str, str, str]] = field(default_factory=list)  #: (model, revision, reference)
 
 
 def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
@@ -62,6 +63,8 @@ def from_metrics(status: Status, text: str) -> None:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
+            if sample.name == "attention_monitor_pin_unmatched" and sample.value == 1:
+                status.unmatched_pins.append((labels["model"], labels["revision"], labels["reference"]))
             if "layer" not in labels or "model" not in labels:
                 continue
             key = (labels["model"], labels["revision"], int(labels["layer"]))
@@ -109,6 +112,12 @@ def report(status: Status, reference_traces: int) -> str:
         lines.append(f"  {d['model']} {d['revision']}: {what} ({d['source']})")
     if not status.decisions:
         lines.append("  none: every revision learns its own reference from its first traces")
+    for model, revision, reference in sorted(status.unmatched_pins):
+        seen = sorted({r for m, r, _ in status.layers if m == model and r not in (revision, reference)})
+        lines.append(f"WARNING: {model} {revision} is pinned to {reference}, but no contract has revision "
+                     f"{revision}: " + (f"traces of {model} carry {', '.join(seen)}; if that is the canary, it is "
+                                        "not pinned (pin the revision its traces carry)" if seen else
+                                        "no traces of it yet"))
     lines += [f"note: {note}" for note in status.notes]
     return "\n".join(lines) + "\n"
 

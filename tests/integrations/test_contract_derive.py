@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from monitor.cli import app
 from monitor.integrations.transformers import contract_from_config
 from monitor.protocol.model_contract import ModelContract
-from tests.integrations.models import DECODERS, MODELS, minilm
+from tests.integrations.models import DECODERS, MODELS, minilm, minilm_path
 
 pytestmark = pytest.mark.models
 
@@ -67,3 +67,36 @@ def test_derive_knows_todays_decoders_windows_sinks_and_gpt2s_fused_projection(n
     windows = {"mistral": [6, 6], "gemma3": [6, None], "gpt_oss": [6, None]}.get(name, [None, None])
     assert [layer.window for layer in derived.layers] == windows
     assert all(bool(layer.learned_sink) == (name == "gpt_oss") for layer in derived.layers)
+
+
+def test_one_checkpoint_one_revision_from_the_files_and_from_any_load(tmp_path):
+    """``contract derive`` on the checkpoint directory and the tap on the model loaded
+    from it, in float32, float16 or bfloat16, name one revision; a model whose weights
+    were changed after loading, or built in memory, gets its own."""
+    import torch
+    from transformers import AutoModel, LlamaForCausalLM
+
+    from monitor.integrations.transformers import model_revision, weights_revision
+
+    folder = minilm_path()
+    out = tmp_path / "contract.json"
+    result = runner.invoke(app, ["contract", "derive", folder, "--model-id", "all-MiniLM-L6-v2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    derived = json.loads(out.read_text())["contract"]["model_revision"]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        model = AutoModel.from_pretrained(folder, dtype=dtype)
+        assert model_revision(model) == derived, dtype
+    with torch.no_grad():
+        model.encoder.layer[2].attention.self.query.weight[0, 0] += 1
+    changed = model_revision(model)
+    assert changed != derived and changed == weights_revision(model)
+
+    llama = DECODERS["llama"][0]("eager")
+    assert model_revision(llama) == weights_revision(llama)  # built in memory: no checkpoint
+    llama.save_pretrained(tmp_path / "llama")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float16)
+    result = runner.invoke(app, ["contract", "derive", str(tmp_path / "llama"), "--model-id", "llama"])
+    assert result.exit_code == 0, result.output
+    assert model_revision(reloaded) == json.loads(result.output)["contract"]["model_revision"]
+    no_config = runner.invoke(app, ["contract", "derive", str(Path(folder) / "model.safetensors"), "--model-id", "m"])
+    assert no_config.exit_code == 2 and "give --config" in no_config.output

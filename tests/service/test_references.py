@@ -85,3 +85,41 @@ def test_a_pin_is_visible_kept_across_a_restart_and_ended_only_by_a_promotion(ka
         restarted.process.stop()
     assert "scenario-lm rev-2: its own reference (promoted)" in cli(env, "status").stdout
     assert cli(env, "reference", "pin", "scenario-lm@rev-2", "--to", "rev-2").returncode == 2  # not itself
+
+
+def test_a_pin_naming_a_revision_no_contract_has_is_reported(kafka_broker, make_topic, tmp_path):
+    """The canary's traces carry rev-2, the operator pinned 'rev-2-derived': the pin does
+    nothing, and /metrics, the log and ``status`` say so until the pin names a revision a
+    contract has."""
+    topics = make_topics(make_topic)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract()])
+    env = monitor_env(kafka_broker.bootstrap, topics, f"unmatched-{tmp_path.name}", tmp_path)
+    env["ATTENTION_MONITOR_REFERENCE_PINS"] = "scenario-lm@rev-2-derived=rev-1"
+    monitor = Monitor(env, tmp_path / "monitor.log")
+    unmatched = series("attention_monitor_pin_unmatched", model="scenario-lm", reference="rev-1",
+                       revision="rev-2-derived")
+    try:
+        monitor.wait_ready()
+        assert monitor.value(unmatched) == 1
+        log = monitor.process.log_path.read_text()
+        assert "pinned to the reference of rev-1 under revision rev-2-derived, which no contract has yet" in log
+
+        publish_contracts(kafka_broker.bootstrap, topics, [NEXT.contract()])  # the canary arrives as rev-2
+        send_traces(kafka_broker.bootstrap, topics.traces, traces(NEXT, 5, 3))
+        wait_for(lambda: "while contracts of scenario-lm arrive for rev-2: if one of those is the revision you "
+                 "meant to pin, it is not pinned" in monitor.process.log_path.read_text(), timeout=60,
+                 what="the warning naming the canary's revision")
+        wait_for(lambda: monitor.value(series("attention_traces_total", layer="0", model="scenario-lm",
+                                              revision="rev-2")) == 3, timeout=60, what="rev-2's traces counted")
+        status = cli(env, "status")
+        assert ("WARNING: scenario-lm rev-2-derived is pinned to rev-1, but no contract has revision rev-2-derived: "
+                "traces of scenario-lm carry rev-2") in status.stdout, status.stdout
+
+        pinned = cli(env, "reference", "pin", "scenario-lm@rev-2", "--to", "rev-1", "--by", "on-call")
+        assert pinned.returncode == 0, pinned.stderr
+        promoted = cli(env, "reference", "promote", "scenario-lm@rev-2-derived", "--by", "on-call")
+        assert promoted.returncode == 0, promoted.stderr
+        wait_for(lambda: unmatched not in monitor.metrics(), timeout=30, what="the wrong pin withdrawn")
+        assert not any(k.startswith("attention_monitor_pin_unmatched{") for k in monitor.metrics())
+    finally:
+        monitor.process.stop()
