@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -106,6 +107,9 @@ class Settings(BaseSettings):
     metrics_idle_timeout_s: float = Field(10.0, gt=0, description="an idle /metrics connection is closed after this")
     triage_records: int = Field(2000, ge=0, description="records read from the end of each anomalies partition "
                                 "for a /triage/ page (0: no triage pages)")
+    triage_url: str | None = Field(None, description="where on-call's browser reaches this instance's /triage/ "
+                                   "pages (e.g. https://monitor-1.example.com); alerts link there (default: "
+                                   "the address Prometheus scrapes, over http)")
     detail_level: Literal["layer", "head"] = "layer"
     max_model_revisions: int = Field(20, gt=0, description="distinct model/revision label pairs before 'other'")
     model_allowlist: CommaList = Field(default_factory=list, description="if set, only these model ids get labels")
@@ -132,6 +136,11 @@ class Settings(BaseSettings):
             raise ValueError("SASL needs sasl_username and sasl_password (or sasl_password_file)")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.triage_url is not None:
+            parts = urllib.parse.urlsplit(self.triage_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+                raise ValueError(f"triage_url must be an http(s) address such as https://monitor.example.com, "
+                                 f"got {self.triage_url!r}")
         return self
 
     # --- derived plain values -----------------------------------------------------

@@ -4,6 +4,12 @@
 # same security the tests run), writes the SCRAM users at the first start, runs the
 # broker. Passwords come from the secrets in /run/secrets.
 #
+# Two client listeners: CLIENT (kafka:9092) for containers of the compose network, and
+# EXTERNAL (container port 9094, published by docker-compose.yml) for model servers
+# elsewhere, advertised as KAFKA_EXTERNAL_ADVERTISED (host:port they reach this broker
+# by; default localhost:9094). Both speak SASL/SCRAM over plaintext: on a network you do
+# not trust, put TLS in front (SASL_SSL is not configured here).
+#
 #   start.sh            render, format storage (once), run the broker
 #   start.sh --render   print server.properties and stop (used by tests/test_compose.py)
 set -euo pipefail
@@ -18,6 +24,8 @@ PROPS="${KAFKA_PROPERTIES:-/tmp/server.properties}"
 ADMIN_PROPS="${KAFKA_ADMIN_PROPERTIES:-/tmp/admin.properties}"
 CLIENT_PORT="${KAFKA_CLIENT_PORT:-9092}"
 CONTROLLER_PORT="${KAFKA_CONTROLLER_PORT:-9093}"
+EXTERNAL_PORT="${KAFKA_EXTERNAL_PORT:-9094}"
+EXTERNAL_ADVERTISED="${KAFKA_EXTERNAL_ADVERTISED:-localhost:${EXTERNAL_PORT}}"
 
 secret() { tr -d '\n' < "$SECRETS/$1"; }
 
@@ -29,8 +37,8 @@ render() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@${HOST}:${CONTROLLER_PORT}
-listeners=CLIENT://:${CLIENT_PORT},CONTROLLER://:${CONTROLLER_PORT}
-advertised.listeners=CLIENT://${HOST}:${CLIENT_PORT}
+listeners=CLIENT://:${CLIENT_PORT},EXTERNAL://:${EXTERNAL_PORT},CONTROLLER://:${CONTROLLER_PORT}
+advertised.listeners=CLIENT://${HOST}:${CLIENT_PORT},EXTERNAL://${EXTERNAL_ADVERTISED}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=CLIENT
 log.dirs=${DATA}

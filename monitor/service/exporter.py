@@ -173,6 +173,8 @@ class MonitorMetrics:
                                          "of the service's own process).", registry=r)
         self.kafka_client = Info(f"{s}kafka_client", "The client consuming traces (confluent-kafka) and "
                                  "its versions.", registry=r)
+        self.triage = Info(f"{s}triage", "Where on-call's browser reaches this instance's /triage/ pages "
+                           "(TRIAGE_URL; alerts link there). Absent when not set.", registry=None)
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):
@@ -189,6 +191,11 @@ class MonitorMetrics:
             if new > 0:
                 (self.contracts_evicted if reason == "evicted" else self.contracts_refused.labels(reason)).inc(new)
                 self._contract_counts[reason] = count
+
+    def triage_at(self, url: str) -> None:
+        """Export ``attention_monitor_triage_info{url}``: alert annotations link there."""
+        self._registry.register(self.triage)
+        self.triage.info({"url": url.rstrip("/")})
 
     def observe_pins(self, began: dict[tuple[str, str], str], ended: dict[tuple[str, str], str]) -> None:
         """Pins whose revision no contract has (see :mod:`monitor.service.pins`): one series

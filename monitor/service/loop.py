@@ -78,6 +78,10 @@ class Service:
                                       max_model_revisions=settings.max_model_revisions,
                                       model_allowlist=settings.model_allowlist,
                                       max_layer_series=settings.max_layer_series)
+        if settings.triage_url and settings.triage_records:
+            self.metrics.triage_at(settings.triage_url)
+        elif settings.triage_url:
+            log.warning("TRIAGE_URL is set but TRIAGE_RECORDS is 0: no triage pages are served, alerts link to none")
         self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
         self.pins = PinCheck({})  #: with the settings' pins, once they are read (run)

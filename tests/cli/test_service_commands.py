@@ -95,3 +95,20 @@ def test_check_config_warns_when_measuring_processes_compete_with_the_consumer(m
     monkeypatch.setattr("monitor.settings.os.cpu_count", lambda: 8)  # one a core at most, and at most 8
     monkeypatch.delenv("ATTENTION_MONITOR_MEASURE_PROCESSES")
     assert Settings().measuring_processes() == 8
+
+
+def test_triage_url_is_exported_for_alerts_and_checked(monkeypatch):
+    """TRIAGE_URL becomes attention_monitor_triage_info{url}, which the alerts' triage_url
+    links to (alerts/tests cover the template); an address that is not http(s) is refused
+    by check-config with the reason."""
+    from monitor.service.loop import Service
+
+    monkeypatch.setenv("ATTENTION_MONITOR_TRIAGE_URL", "https://monitor-1.example.com/")
+    service = Service(Settings())
+    assert service.registry.get_sample_value("attention_monitor_triage_info",
+                                             {"url": "https://monitor-1.example.com"}) == 1
+    monkeypatch.delenv("ATTENTION_MONITOR_TRIAGE_URL")
+    assert not any(m.name == "attention_monitor_triage" for m in Service(Settings()).registry.collect())
+    monkeypatch.setenv("ATTENTION_MONITOR_TRIAGE_URL", "monitor-1:9464")
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code != 0 and "triage_url must be an http(s) address" in result.output, result.output
