@@ -193,12 +193,14 @@ def triage(
     pages (head-similarity heatmaps against the reference, per-head timelines, the
     strongest evidence, the outcome association).
 
-    Heads involved, values against the reference, outcomes, contract ids. A prompt for
+    Heads involved, values against the reference, outcomes, contract ids. With
+    --incident, or a full --model/--revision/--layer selection, the text and the page
+    show the same incident: the same findings, traces and heads. A prompt for
     investigation, never a pruning command."""
     from monitor.broker.tail import read_tail
     from monitor.errors import InfrastructureError
     from monitor.triage import evidence, page, site
-    from monitor.triage.text import report, select, select_incidents
+    from monitor.triage.text import report, select
 
     settings = load_settings()
     try:
@@ -206,17 +208,23 @@ def triage(
     except InfrastructureError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
-    if html is None:
-        typer.echo(report(select(records, model, revision, layer, kind), select_incidents(records, model, revision,
-                                                                                          layer)), nl=False)
-        return
-    if incident is not None or None not in (model, revision, layer):
+    case = None
+    if incident is not None or None not in (model, revision, layer):  # the text and the page show one case
         case = (evidence.for_incident(records, incident) if incident is not None
                 else evidence.for_layer(records, str(model), str(revision), int(layer or 0)))
         if case is None:
             typer.echo(f"error: no incident {incident!r} in the last {last} records of each partition of "
                        f"{settings.anomalies_topic}", err=True)
             raise typer.Exit(EXIT_USAGE)
+    if html is None:
+        if case is not None:
+            shown = [r for r in case.records if kind is None or r.get("kind") == kind]
+            typer.echo(report(shown, [case] if case.incident is not None else []), nl=False)
+        else:
+            typer.echo(report(select(records, model, revision, layer, kind),
+                              evidence.incident_cases(records, model, revision, layer)), nl=False)
+        return
+    if case is not None:
         html.parent.mkdir(parents=True, exist_ok=True)
         html.write_text(page.render(case), encoding="utf-8")
         typer.echo(f"wrote {html}" + (" (nothing to investigate)" if case.healthy else ""))

@@ -89,6 +89,11 @@ class Case:
         return self.incident is None and not self.records
 
     @property
+    def incident_id(self) -> str:
+        """The incident's id ('' for a selection without one)."""
+        return str((self.incident or {}).get("incident_id", ""))
+
+    @property
     def traces(self) -> int:
         """Distinct traces among the records."""
         return len({r["trace_id"] for r in self.records})
@@ -148,6 +153,15 @@ def for_incident(records: list[dict[str, Any]], incident_id: str) -> Case | None
     """The case of one incident (None when no record of it is in ``records``)."""
     found = [i for i in incidents(records) if i["incident_id"] == incident_id]
     return _case(records, found[0]) if found else None
+
+
+def incident_cases(records: list[dict[str, Any]], model: str | None = None, revision: str | None = None,
+                   layer: int | None = None) -> list[Case]:
+    """The case of every incident matching the filters, newest opened first: the index,
+    the pages and the text all count findings and name heads from these."""
+    return [_case(records, i) for i in incidents(records)
+            if (model is None or i["model_id"] == model) and (revision is None or i["model_revision"] == revision)
+            and (layer is None or i["layer"] == layer)]
 
 
 def for_layer(records: list[dict[str, Any]], model: str, revision: str, layer: int) -> Case:

@@ -62,8 +62,9 @@ def render(case: Case) -> str:
         generated=_when(datetime.now(UTC).timestamp()))
 
 
-def render_index(incidents: list[dict[str, Any]], links: dict[str, str]) -> str:
-    """A list of incidents, each linked to its page (``links``: incident id → href)."""
+def render_index(cases: list[Case], links: dict[str, str]) -> str:
+    """A list of incidents, each linked to its page (``links``: incident id → href),
+    with the findings and heads its page shows."""
     return _ENV.get_template("index.html.j2").render(
-        incidents=incidents, links=links, not_pruning=NOT_PRUNING,
+        cases=cases, links=links, not_pruning=NOT_PRUNING,
         generated=_when(datetime.now(UTC).timestamp()))

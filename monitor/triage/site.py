@@ -28,8 +28,8 @@ def respond(records: list[dict[str, Any]], path: str, query: str) -> str:
     :class:`NotFound`."""
     path = path.strip("/")
     if path in ("", "index.html"):
-        found = evidence.incidents(records)
-        return page.render_index(found, {i["incident_id"]: page.incident_href(i["incident_id"]) for i in found})
+        cases = evidence.incident_cases(records)
+        return page.render_index(cases, {c.incident_id: page.incident_href(c.incident_id) for c in cases})
     if path.startswith("incident/"):
         case = evidence.for_incident(records, unquote(path.removeprefix("incident/")))
         if case is None:
@@ -50,17 +50,13 @@ def write_site(records: list[dict[str, Any]], directory: Path, model: str | None
     """``index.html`` and one page per incident matching the filters, in ``directory``;
     the files written."""
     directory.mkdir(parents=True, exist_ok=True)
-    found = [i for i in evidence.incidents(records)
-             if (model is None or i["model_id"] == model) and (revision is None or i["model_revision"] == revision)
-             and (layer is None or i["layer"] == layer)]
+    cases = evidence.incident_cases(records, model, revision, layer)
+    links = {c.incident_id: page.file_name(c.incident_id) for c in cases}
     written = []
-    for incident in found:
-        case = evidence.for_incident(records, incident["incident_id"])
-        assert case is not None  # it was found in these records
-        target = directory / page.file_name(incident["incident_id"])
+    for case in cases:
+        target = directory / links[case.incident_id]
         target.write_text(page.render(case), encoding="utf-8")
         written.append(target)
     index = directory / "index.html"
-    index.write_text(page.render_index(found, {i["incident_id"]: page.file_name(i["incident_id"]) for i in found}),
-                     encoding="utf-8")
+    index.write_text(page.render_index(cases, links), encoding="utf-8")
     return [index, *written]

@@ -10,6 +10,7 @@ from statistics import median
 from typing import Any
 
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
+from monitor.triage.evidence import Case
 
 
 def select(records: Iterable[dict[str, Any]], model: str | None, revision: str | None, layer: int | None,
@@ -21,33 +22,26 @@ def select(records: Iterable[dict[str, Any]], model: str | None, revision: str |
             and (kind is None or r.get("kind") == kind)]
 
 
-def select_incidents(records: Iterable[dict[str, Any]], model: str | None, revision: str | None,
-                     layer: int | None) -> list[dict[str, Any]]:
-    """The latest record of every matching incident (opened, or closed with its evidence)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for r in records:
-        if (r.get("schema", "").startswith("attention-incident") and (model is None or r.get("model_id") == model)
-                and (revision is None or r.get("model_revision") == revision)
-                and (layer is None or r.get("layer") == layer)):
-            latest[r["incident_id"]] = r
-    return list(latest.values())
-
-
 def also_changed(note: dict[str, Any]) -> str:
     """One annotation of an incident: another layer that changed while it was open."""
     return (f"layer {note['layer']} ({note['relation']}, {note['findings']} findings"
             + (", its evidence alone would have paged" if note.get("paged") else "") + ")")
 
 
-def incident_lines(incidents: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{len(incidents)} incidents", ""]
-    for i in sorted(incidents, key=lambda i: i["opened_at"]):
-        strongest = i.get("strongest") or {}
+def incident_lines(cases: list[Case]) -> list[str]:
+    """Each incident as its triage page has it: its findings, traces and heads involved
+    are those of its :class:`~monitor.triage.evidence.Case`, the page's own."""
+    lines = [f"{len(cases)} incidents", ""]
+    for case in sorted(cases, key=lambda c: float((c.incident or {})["opened_at"])):
+        i = case.incident or {}
+        strongest = case.strongest[0] if case.strongest else (i.get("strongest") or {})
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(case.kinds.items())) or "none in the records read"
         lines += [
-            f"{i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}: {i['state']}",
-            f"  {i['anomalies']} findings on {i['traces']} traces against {i['reference_revision']}; heads involved: "
-            + (", ".join(i["heads"]) or "-"),
-            "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i["side_effects"].items())) or "none"),
+            f"{i['incident_id']}: {i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}, {i['state']}",
+            f"  {len(case.records)} findings on {case.traces} traces against {', '.join(case.reference_revisions)}"
+            f" ({kinds}); heads involved: " + (", ".join(case.involved) or "-"),
+            "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i.get("side_effects", {}).items()))
+                                  or "none"),
             "  other layers: " + (", ".join(also_changed(a) for a in i.get("also_changed", [])) or "none"),
         ]
         if strongest:
@@ -58,11 +52,12 @@ def incident_lines(incidents: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(records: list[dict[str, Any]], incidents: list[dict[str, Any]] | None = None) -> str:
-    if not records and not incidents:
+def report(records: list[dict[str, Any]], cases: list[Case] | None = None) -> str:
+    """Incidents (``cases``), then the anomaly records grouped by layer and kind."""
+    if not records and not cases:
         return "no incident or anomaly records match\n\nPolicy: " + NOT_PRUNING
-    lines = incident_lines(incidents) if incidents else []
-    lines += [f"{len(records)} anomaly records (the incidents' evidence)", ""]
+    lines = incident_lines(cases) if cases else []
+    lines += [f"{len(records)} anomaly records" + (" (the incidents' evidence)" if cases else ""), ""]
     groups = Counter((r["model_id"], r["model_revision"], r["layer"], r["kind"]) for r in records)
     for (model, revision, layer, kind), n in groups.most_common():
         mine = [r for r in records if (r["model_id"], r["model_revision"], r["layer"], r["kind"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def stack(kafka_broker, make_topic, unique_name, tmp_path):
         monitor.process.stop()
 
 
-def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack):
+def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack, tmp_path):
     topics, start, reader = stack
     bootstrap = kafka_broker.bootstrap
     monitor = start()
@@ -125,6 +126,23 @@ def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack):
     assert f"test-model rev-1 layer 1 low_diversity: {len(low)} records" in result.output
     assert "outcomes: failure=12, missing=1" in result.output
     assert "not an automatic pruning command" in result.output
+
+    # One incident, as text and as its page: the same findings, traces and heads.
+    env = {"ATTENTION_MONITOR_BOOTSTRAP_SERVERS": bootstrap, "ATTENTION_MONITOR_ANOMALIES_TOPIC": topics.anomalies}
+    incident = next(r for r in reader.records[topics.anomalies] if r.get("schema", "").startswith("attention-incident"))
+    text = CliRunner().invoke(app, ["triage", "--incident", incident["incident_id"]], env=env)
+    assert text.exit_code == 0, text.output
+    assert text.output.count("findings on") == 1 and incident["incident_id"] in text.output
+    shown = re.search(r"(\d+) findings on (\d+) traces .*heads involved: (.*)", text.output)
+    page_path = tmp_path / "incident.html"
+    html = CliRunner().invoke(app, ["triage", "--incident", incident["incident_id"], "--html", str(page_path)], env=env)
+    assert html.exit_code == 0, html.output
+    page = page_path.read_text()
+    field = {name: re.search(rf'data-field="{name}">(\d+)<', page)[1] for name in ("anomalies", "traces")}
+    assert (shown[1], shown[2]) == (field["anomalies"], field["traces"])
+    assert shown[3].split(", ") == re.findall(r'<span data-head="([^"]+)"', page)
+    unknown = CliRunner().invoke(app, ["triage", "--incident", "no-such-incident"], env=env)
+    assert unknown.exit_code == 2 and "no incident 'no-such-incident'" in unknown.output
 
 
 def test_a_poison_record_does_not_stall_its_partition(kafka_broker, stack, make_topic):

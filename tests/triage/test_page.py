@@ -171,3 +171,20 @@ def test_a_generation_models_prompt_mass_gets_its_own_panels_and_a_prefill_model
     assert panels and panels >= COLLAPSED_HEADS and "prompt mass (decoding rows)" in html
     plain = page.render(evidence.for_incident(records(), incident["incident_id"]))
     assert "prompt_mass" not in plain
+
+
+def test_the_index_the_page_and_the_text_count_an_incident_alike(collapsed):
+    """The incident's own record was written when it opened (1 finding); the index, its
+    page and the text all show what its evidence says now."""
+    from monitor.triage.text import report
+
+    recs, incident, case = collapsed
+    assert len(case.records) > incident["anomalies"]  # the record alone would undercount
+    index = site.respond(recs, "", "")
+    row = index[index.index(page.incident_href(incident["incident_id"])):].split("</tr>")[0]
+    assert f'<td class="num">{len(case.records)}</td>' in row and ", ".join(case.involved) in row
+    cells = parse(page.render(case))
+    assert int(cells.cells[(None, "anomalies")]) == len(case.records) and cells.heads == case.involved
+    text = report(case.records, [case])
+    assert (f"{len(case.records)} findings on {case.traces} traces" in text
+            and f"heads involved: {', '.join(case.involved)}" in text)
