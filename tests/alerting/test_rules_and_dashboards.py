@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from devstack.prometheus import start_alertmanager
+from devstack.wait import wait_for
+from devstack.webhook import WebhookReceiver
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,3 +199,43 @@ def test_provisioning_points_at_the_dashboards():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["grafana"]["volumes"]
     assert "./dashboards:/var/lib/grafana/dashboards:ro" in compose
     assert "./dashboards/provisioning:/etc/grafana/provisioning:ro" in compose
+
+
+@pytest.mark.prometheus
+def test_the_inhibit_rules_silence_what_they_say_on_the_real_alertmanager(tmp_path):
+    """Alerts posted to the Debian Alertmanager on the shipped configuration: a revision's
+    low-diversity page inhibits its head-pattern page (not another revision's); the
+    monitor down inhibits its silence about traces; stalled consumption inhibits lag."""
+    webhook = WebhookReceiver()
+    am = start_alertmanager(webhook.url, tmp_path / "alertmanager")
+    try:
+        def alert(name: str, **labels: str) -> dict:
+            return {"labels": {"alertname": name, **labels}, "annotations": {}}
+
+        critical = {"severity": "critical"}
+        posted = [
+            alert("AttentionLowHeadDiversity", model="m", revision="r", layer="3", **critical),
+            alert("AttentionHeadPatternShift", model="m", revision="r", layer="4", **critical),
+            alert("AttentionHeadPatternShift", model="m", revision="r2", layer="4", **critical),
+            alert("AttentionMonitorDown", instance="monitor:9464", **critical),
+            alert("AttentionTracesStalled", instance="monitor:9464", severity="warning"),
+            alert("AttentionTracesAbsent", severity="warning"),
+            alert("AttentionConsumerLagHigh", instance="monitor:9464", severity="warning"),
+        ]
+        request = urllib.request.Request(f"{am.url}/api/v2/alerts", data=json.dumps(posted).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+        def states() -> dict[tuple[str, str], str]:
+            return {(a["labels"]["alertname"], a["labels"].get("revision", "")): a["status"]["state"]
+                    for a in am.alerts()}
+
+        expected = {("AttentionLowHeadDiversity", "r"): "active", ("AttentionHeadPatternShift", "r"): "suppressed",
+                    ("AttentionHeadPatternShift", "r2"): "active", ("AttentionMonitorDown", ""): "active",
+                    ("AttentionTracesStalled", ""): "suppressed", ("AttentionTracesAbsent", ""): "suppressed",
+                    ("AttentionConsumerLagHigh", ""): "suppressed"}
+        wait_for(lambda: states() == expected, timeout=30, what=f"the inhibitions applied (now {states()})")
+    finally:
+        am.stop()
+        webhook.close()
