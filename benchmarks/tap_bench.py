@@ -54,52 +54,59 @@ def signing_sink(header: Any, weights: Any, sink: Any = None) -> None:
     encode(header, weights, "bench", b"bench-secret-0123456789", sink)
 
 
-def forward_seconds(model: Any, inputs: dict[str, torch.Tensor], rate: float | str | None,
-                    rows: int) -> Callable[[], float]:
-    """A timer of one forward pass under ``rate`` (None or "again": no tap)."""
+def timer(model: Any, inputs: dict[str, torch.Tensor], rate: float | str | None, work: Callable[[], Any],
+          per: int = 1, **tap: Any) -> Callable[[], float]:
+    """A timer of ``work`` (the model answering ``inputs``' batch) under ``rate`` (None or
+    "again": no tap), in seconds per ``per`` (generated tokens)."""
     batch = next(iter(inputs.values())).shape[0]
 
     def run() -> float:
-        tap = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate, rows=rows,
-                                                              revision="bench")
+        tapped = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate,
+                                                                 revision="bench", **tap)
         try:
             ids = [f"bench-{next(_requests)}" for _ in range(batch)]
             start = time.perf_counter()
             with torch.no_grad():
-                if tap is None:
-                    model(**inputs)
+                if tapped is None:
+                    work()
                 else:
-                    with tap.request(ids):
-                        model(**inputs)
-            return time.perf_counter() - start
+                    with tapped.request(ids):
+                        work()
+            return (time.perf_counter() - start) / per
         finally:
-            if tap is not None:
-                tap.detach()
+            if tapped is not None:
+                tapped.detach()
 
     return run
 
 
-def measure(name: str, model: Any, inputs: dict[str, torch.Tensor], rounds: int, rows: int) -> None:
-    timers = {rate: forward_seconds(model, inputs, rate, rows) for rate in RATES}
-    for timer in timers.values():  # warm up every path
-        timer()
-    times: dict[float | str | None, list[float]] = {rate: [] for rate in RATES}
+def medians(timers: dict[float | str | None, Callable[[], float]], rounds: int) -> dict[float | str | None, float]:
+    """Every configuration's median over ``rounds``, alternating within each round (after
+    one warm-up call of each path); printed against the untapped model."""
+    for run in timers.values():
+        run()
+    times: dict[float | str | None, list[float]] = {rate: [] for rate in timers}
     for _ in range(rounds):
-        for rate, timer in timers.items():
-            times[rate].append(timer())
-    base = statistics.median(times[None])
+        for rate, run in timers.items():
+            times[rate].append(run())
+    out = {rate: statistics.median(values) for rate, values in times.items()}
+    for rate, median in out.items():
+        label = {None: "untapped", "again": "untapped again"}.get(rate) or f"tap at {rate:.0%}"  # type: ignore
+        extra = "the reference" if rate is None else f"{(median / out[None] - 1) * 100:+.1f} %"
+        print(f"  {label:<15} {median * 1e3:8.2f} ms   {extra}")
+    return out
+
+
+def measure(name: str, model: Any, inputs: dict[str, torch.Tensor], rounds: int, rows: int) -> None:
     shape = "x".join(str(d) for d in next(iter(inputs.values())).shape)
     print(f"{name}: batch {shape} tokens, median of {rounds} rounds")
-    for rate in RATES:
-        median = statistics.median(times[rate])
-        label = {None: "untapped", "again": "untapped again"}.get(rate) or f"tap at {rate:.0%}"  # type: ignore
-        extra = "the reference" if rate is None else f"{(median / base - 1) * 100:+.1f} %"
-        print(f"  {label:<15} {median * 1e3:8.2f} ms   {extra}")
+    found = medians({rate: timer(model, inputs, rate, lambda: model(**inputs), rows=rows) for rate in RATES}, rounds)
+    base = found[None]
     traces = sink_floor(model, inputs, rows)
     print(f"  the sink alone: encoding and signing the {traces[0]} traces of one pass {traces[1] * 1e3:.2f} ms = "
           f"{traces[1] / base * 100:.1f} % of the untapped pass")
     layers = model.config.num_hidden_layers
-    extra = statistics.median(times[1.0]) - base
+    extra = found[1.0] - base
     print(f"  per layer at 100 %: the tap adds {extra / layers * 1e6:.0f} us to the {base / layers * 1e6:.0f} us "
           "the pass spends per layer")
 
@@ -123,49 +130,14 @@ def sink_floor(model: Any, inputs: dict[str, torch.Tensor], rows: int) -> tuple[
     return len(captured), statistics.median(times)
 
 
-def generate_seconds(model: Any, inputs: dict[str, torch.Tensor], rate: float | str | None,
-                     new_tokens: int) -> Callable[[], float]:
-    """A timer of one ``generate`` under ``rate``, per generated token."""
-    batch = next(iter(inputs.values())).shape[0]
-
-    def run() -> float:
-        tap = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate, revision="bench")
-        try:
-            ids = [f"gen-{next(_requests)}" for _ in range(batch)]
-            start = time.perf_counter()
-            with torch.no_grad():
-                if tap is None:
-                    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   pad_token_id=0)
-                else:
-                    with tap.request(ids):
-                        model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                       do_sample=False, pad_token_id=0)
-            return (time.perf_counter() - start) / new_tokens
-        finally:
-            if tap is not None:
-                tap.detach()
-
-    return run
-
-
 def measure_generation(name: str, model: Any, inputs: dict[str, torch.Tensor], rounds: int, new_tokens: int) -> None:
-    timers = {rate: generate_seconds(model, inputs, rate, new_tokens) for rate in RATES}
-    for timer in timers.values():
-        timer()
-    times: dict[float | str | None, list[float]] = {rate: [] for rate in RATES}
-    for _ in range(rounds):
-        for rate, timer in timers.items():
-            times[rate].append(timer())
-    base = statistics.median(times[None])
+    def work() -> None:
+        model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
     shape = "x".join(str(d) for d in next(iter(inputs.values())).shape)
     print(f"{name}: generate {new_tokens} tokens after a {shape} prompt batch, median of {rounds} rounds, per "
           "generated token")
-    for rate in RATES:
-        median = statistics.median(times[rate])
-        label = {None: "untapped", "again": "untapped again"}.get(rate) or f"tap at {rate:.0%}"  # type: ignore
-        extra = "the reference" if rate is None else f"{(median / base - 1) * 100:+.1f} %"
-        print(f"  {label:<15} {median * 1e3:8.2f} ms   {extra}")
+    medians({rate: timer(model, inputs, rate, work, per=new_tokens) for rate in RATES}, rounds)
 
 
 def main() -> None:

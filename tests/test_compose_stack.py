@@ -1,10 +1,7 @@
 """docker-compose.yml's services run on their real parts, with the very files and
-commands the compose file gives them (no Docker engine runs here):
+commands the compose file gives them (no Docker engine runs here; Kafka, with a model
+server outside the compose network, is tests/devstack/test_compose_kafka.py):
 
-- Kafka is ``deploy/kafka/start.sh`` itself (its rendered config, its SCRAM users from
-  ``deploy/secrets``), the broker from Maven Central: ``kafka-init``'s commands create the
-  topics and ACLs, and a model server outside the compose network publishes through the
-  EXTERNAL listener the compose file publishes;
 - Prometheus and Alertmanager are the Debian binaries with the compose file's flags and
   ``deploy/web-config.yml``: every page and API wants the password, the lifecycle API is
   off;
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -28,10 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kafka import KafkaAdminClient, KafkaConsumer
-from kafka.errors import KafkaError
 
-from devstack.kafka import LOG4J2, MECHANISM, classpath, java
 from devstack.process import ManagedProcess, free_port
 from devstack.prometheus import binary, prometheus_config
 from devstack.wait import wait_for
@@ -47,85 +40,6 @@ def _compose() -> dict:
 
 def _secret(name: str) -> str:
     return (SECRETS / name).read_text().strip()
-
-
-def _fake_kafka_home(home: Path) -> Path:
-    """A KAFKA_HOME whose two scripts start.sh calls run the broker resolved from Maven."""
-    (home / "bin").mkdir(parents=True)
-    base = f'exec {java()} -Xmx512m -cp "{classpath()}" -Dlog4j2.configurationFile={LOG4J2}'
-    for name, main in (("kafka-storage.sh", "kafka.tools.StorageTool"), ("kafka-server-start.sh", "kafka.Kafka")):
-        script = home / "bin" / name
-        script.write_text(f'#!/bin/sh\n{base} {main} "$@"\n')
-        script.chmod(0o755)
-    return home
-
-
-def _sasl(bootstrap: str, user: str, password: str) -> dict[str, str]:
-    return {"bootstrap_servers": bootstrap, "security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": MECHANISM,
-            "sasl_plain_username": user, "sasl_plain_password": password}
-
-
-def _service_env(service: dict, bootstrap: str) -> dict[str, str]:
-    """A compose service's environment, its secrets the files compose mounts them from,
-    its bootstrap replaced."""
-    files = {name: REPO / secret["file"] for name, secret in _compose()["secrets"].items()}
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
-    for name, value in service["environment"].items():
-        secret = str(value).removeprefix("/run/secrets/")
-        env[name] = str(files[secret]) if secret != str(value) else str(value)
-    env["ATTENTION_MONITOR_BOOTSTRAP_SERVERS"] = bootstrap
-    return env
-
-
-@pytest.mark.kafka
-def test_a_model_server_outside_the_compose_network_publishes_through_the_external_listener(tmp_path):
-    services = _compose()["services"]
-    kafka = services["kafka"]
-    assert any(str(p).endswith(":9094") for p in kafka["ports"]), kafka.get("ports")  # EXTERNAL's container port
-    assert "KAFKA_EXTERNAL_ADVERTISED" in kafka["environment"]
-    client, controller, external = free_port(), free_port(), free_port()
-    env = {"SECRETS_DIR": str(SECRETS), "KAFKA_DATA_DIR": str(tmp_path / "data"), "KAFKA_HOST": "127.0.0.1",
-           "KAFKA_HOME": str(_fake_kafka_home(tmp_path / "kafka-home")), "KAFKA_CLIENT_PORT": str(client),
-           "KAFKA_CONTROLLER_PORT": str(controller), "KAFKA_EXTERNAL_PORT": str(external),
-           # what KAFKA_EXTERNAL_ADVERTISED says in compose: the name outside hosts reach it by
-           "KAFKA_EXTERNAL_ADVERTISED": f"localhost:{external}",
-           "KAFKA_PROPERTIES": str(tmp_path / "server.properties"),
-           "KAFKA_ADMIN_PROPERTIES": str(tmp_path / "admin.properties")}
-    broker = ManagedProcess("compose-kafka", ["/bin/bash", str(REPO / "deploy" / "kafka" / "start.sh")],
-                            tmp_path / "kafka.log", env=env)
-    inside = f"127.0.0.1:{client}"
-    try:
-        def answers() -> bool:
-            broker.check_alive()
-            admin = KafkaAdminClient(**_sasl(inside, "admin", _secret("kafka_admin_password")),
-                                     request_timeout_ms=3000)
-            admin.close()
-            return True
-
-        wait_for(answers, timeout=120, what="the compose broker answering on its CLIENT listener")
-        init = services["kafka-init"]
-        result = subprocess.run(["/bin/sh", "-c", init["command"][0]], env=_service_env(init, inside),
-                                capture_output=True, text=True, timeout=180, check=False)
-        assert result.returncode == 0, result.stdout + result.stderr
-
-        # the model server: demo-producer's principal and keyring, but from outside the network
-        outside = f"localhost:{external}"
-        producer_env = _service_env(services["demo-producer"], outside)
-        result = subprocess.run([str(BIN / "attention-monitor"), "produce", "--synthetic", "--requests", "3",
-                                 "--rate", "100"], env=producer_env, capture_output=True, text=True, timeout=120,
-                                check=False)
-        assert result.returncode == 0, result.stdout + result.stderr
-        sent = int(re.search(r"and (\d+) traces", result.stdout)[1])
-        consumer = KafkaConsumer("attention-traces", **_sasl(outside, "admin", _secret("kafka_admin_password")),
-                                 auto_offset_reset="earliest", consumer_timeout_ms=15000)
-        try:
-            assert sum(1 for _ in consumer) == sent > 0
-        finally:
-            consumer.close()
-        with pytest.raises(KafkaError):  # the listener authenticates: a wrong password gets nothing
-            KafkaAdminClient(**_sasl(outside, "model-server", "not-the-password"), request_timeout_ms=3000)
-    finally:
-        broker.stop()
 
 
 def _get(url: str, password: str | None, method: str = "GET") -> int:

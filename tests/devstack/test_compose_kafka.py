@@ -1,7 +1,9 @@
 """docker-compose.yml's secured Kafka, run for real without Docker: deploy/kafka/start.sh
 (the compose entrypoint) on the Maven-resolved broker, then compose's init commands as
 admin (topics, ACLs), then the monitor as User:monitor and a model server as
-User:model-server with their password files, as compose runs them."""
+User:model-server with their password files, as compose runs them. The model server is
+outside the compose network: it reaches the broker through the EXTERNAL listener the
+compose file publishes, by the address KAFKA_EXTERNAL_ADVERTISED gives."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
 
 from devstack.kafka import classpath, java
 from devstack.process import ManagedProcess, free_port
@@ -56,14 +60,20 @@ def test_the_compose_broker_starts_secured_and_its_principals_do_their_jobs(tmp_
     secrets.mkdir()
     for user in USERS:
         (secrets / f"kafka_{user}_password").write_text(f"{user}-password-{tmp_path.name}\n")
-    port, controller = free_port(), free_port()
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["kafka"]
+    assert any(str(p).endswith(":9094") for p in compose["ports"])  # EXTERNAL's container port, published
+    assert "KAFKA_EXTERNAL_ADVERTISED" in compose["environment"]
+    port, controller, external = free_port(), free_port(), free_port()
     broker = ManagedProcess("compose-kafka", ["bash", str(REPO / "deploy" / "kafka" / "start.sh")],
                             tmp_path / "kafka.log", env={
                                 "SECRETS_DIR": str(secrets), "KAFKA_DATA_DIR": str(tmp_path / "data"),
                                 "KAFKA_HOST": "127.0.0.1", "KAFKA_HOME": str(fake_kafka_home(tmp_path)),
                                 "KAFKA_PROPERTIES": str(tmp_path / "server.properties"),
                                 "KAFKA_ADMIN_PROPERTIES": str(tmp_path / "admin.properties"),
-                                "KAFKA_CLIENT_PORT": str(port), "KAFKA_CONTROLLER_PORT": str(controller)})
+                                "KAFKA_CLIENT_PORT": str(port), "KAFKA_CONTROLLER_PORT": str(controller),
+                                "KAFKA_EXTERNAL_PORT": str(external),
+                                # the name hosts outside the compose network reach the published port by
+                                "KAFKA_EXTERNAL_ADVERTISED": f"localhost:{external}"})
     monitor = None
     try:
         admin_config = {"bootstrap_servers": f"127.0.0.1:{port}", "security_protocol": "SASL_PLAINTEXT",
@@ -95,7 +105,7 @@ def test_the_compose_broker_starts_secured_and_its_principals_do_their_jobs(tmp_
         monitor.wait_ready(timeout=90)
 
         scenario = Scenario(revision="rev-1")
-        producer_config = {"bootstrap_servers": f"127.0.0.1:{port}", "security_protocol": "SASL_PLAINTEXT",
+        producer_config = {"bootstrap_servers": f"localhost:{external}", "security_protocol": "SASL_PLAINTEXT",
                            "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "model-server",
                            "sasl_plain_password": f"model_server-password-{tmp_path.name}"}
         rng = np.random.default_rng(0)
@@ -107,6 +117,9 @@ def test_the_compose_broker_starts_secured_and_its_principals_do_their_jobs(tmp_
                 producer.send_outcome(f"compose-{i}", "success")
         traced = series("attention_traces_total", layer="0", model="scenario-lm", revision="rev-1")
         monitor.wait_until(lambda: monitor.value(traced) == 5, timeout=60, what="the model server's traces measured")
+        with pytest.raises(KafkaError):  # the external listener authenticates: a wrong password gets nothing
+            KafkaAdminClient(**{**producer_config, "sasl_plain_password": "not-the-password"},
+                             request_timeout_ms=3000)
         # the operator may read the outputs and write reference decisions, and nothing more
         operator = sasl_env(port, "operator", secrets)
         assert cli(operator, "reference", "pin", "scenario-lm@rev-2", "--to", "rev-1").returncode == 0
