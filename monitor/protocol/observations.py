@@ -1,0 +1,164 @@
+"""Records of the internal observations topic: what judging needs of measured traces,
+on their way from the instance that measured them to the one that judges their stream
+(the design: ``docs/architecture.md``, "Judging each stream in one place").
+
+One record holds one judge key's observations of one transaction, in the order they
+were measured: kafka-python's transactional producer costs per record, not per byte, so
+a record per trace would cost the measuring instance several times what one per key and
+transaction does (``docs/performance.md``, 2026-12-03). Never weights.
+
+Key
+    ``model_id``, a NUL byte, and the revision whose reference judges the traces (the
+    trace's own revision, or the one it is pinned to): :func:`judge_key`.
+
+Value
+    ``b"AMOB"``, a version byte (1), the length of a JSON header (4 bytes, big-endian),
+    the header, then each entry's metrics as little-endian float64, in the header's
+    order: entropy, concentration, sink share, prompt mass, learned sink mass (``H``
+    each), similarity (``H × H``), diversity and effective heads. The header is
+    ``{"entries": [...]}``, each entry a trace's identity (the fields anomaly records
+    carry), its head ids and its outcome. Prompt and learned sink mass are NaN where the
+    trace says nothing of them, as the measurer leaves them.
+
+The monitor writes these records itself, in transactions; a record it cannot read is
+still refused with a :class:`~monitor.errors.TraceRejected` (``malformed``) naming what
+is wrong, never an exception of another kind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from monitor.core.detect import Observation
+from monitor.core.metrics import HeadMetrics
+from monitor.errors import RejectReason, TraceRejected
+from monitor.protocol.records import TraceIdentity
+
+__all__ = ["MAGIC", "VERSION", "Forwarded", "decode", "encode", "judge_key", "parse_key"]
+
+MAGIC = b"AMOB"
+VERSION = 1
+_PREFIX = struct.Struct(">4sBI")
+#: per-head metrics in their order on the wire, then similarity, diversity, effective heads
+_PER_HEAD = ("entropy", "concentration", "sink_share", "prompt_mass", "learned_sink")
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A measured trace joined to its outcome, as its judge receives it."""
+
+    identity: TraceIdentity
+    heads: tuple[str, ...]
+    metrics: HeadMetrics  #: one trace's metrics (no batch dimension), without row masses
+    outcome: str  #: the task outcome, or ``missing`` when none came within the join's TTL
+
+    def observation(self) -> Observation:
+        """What the detector judges (as :meth:`Observed.observation` gives it in-process)."""
+        i = self.identity
+        return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics,
+                           i.trace_timestamp)
+
+
+def judge_key(model_id: str, judged_by: str) -> bytes:
+    """The record key of a stream: its model and the revision whose reference judges it."""
+    if "\x00" in model_id or "\x00" in judged_by:
+        raise ValueError("a model id or revision holding a NUL byte cannot name a judge")
+    return f"{model_id}\x00{judged_by}".encode()
+
+
+def parse_key(key: bytes | None) -> tuple[str, str]:
+    """(model id, judging revision) of a record key."""
+    try:
+        model_id, judged_by = (key or b"").decode().split("\x00")
+    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError is one), or not two parts
+        raise _malformed(f"key {key!r} is not a model id and a revision") from exc
+    return model_id, judged_by
+
+
+def encode(entries: Sequence[Forwarded]) -> bytes:
+    """One record's value: ``entries`` in order (they may differ in head count)."""
+    header = {"entries": [{**e.identity.fields(), "heads": list(e.heads), "outcome": e.outcome} for e in entries]}
+    blocks = []
+    for e in entries:
+        h = len(e.heads)
+        m = e.metrics
+        values = [_vector(getattr(m, name), h, name) for name in _PER_HEAD]
+        values.append(np.asarray(m.similarity, np.float64).reshape(h * h))
+        values.append(np.array([float(m.diversity), float(m.effective_heads)]))
+        blocks.append(np.concatenate(values).astype("<f8").tobytes())
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, VERSION, len(text)) + text + b"".join(blocks)
+
+
+def decode(value: bytes | memoryview | None) -> list[Forwarded]:
+    """The entries of one record's value, in order; :class:`TraceRejected` (``malformed``)
+    naming what is wrong when it cannot be read."""
+    data = bytes(value or b"")
+    if len(data) < _PREFIX.size:
+        raise _malformed(f"{len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, size = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise _malformed(f"magic {magic!r} is not {MAGIC!r}")
+    if version != VERSION:
+        raise _malformed(f"version {version} is not {VERSION}")
+    start = _PREFIX.size + size
+    try:
+        entries = json.loads(data[_PREFIX.size:start])["entries"]
+        heads = [len(e["heads"]) for e in entries]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _malformed(f"unreadable header: {exc}") from exc
+    expected = sum(_floats(h) for h in heads) * 8
+    if len(data) - start != expected:
+        raise _malformed(f"{len(data) - start} bytes of metrics where the header's head counts make {expected}")
+    floats = np.frombuffer(data, "<f8", offset=start)
+    out, at = [], 0
+    for entry, h in zip(entries, heads, strict=True):
+        out.append(_entry(entry, h, floats[at: at + _floats(h)]))
+        at += _floats(h)
+    return out
+
+
+def _floats(h: int) -> int:
+    return len(_PER_HEAD) * h + h * h + 2
+
+
+def _vector(values: Any, h: int, name: str) -> np.ndarray[Any, np.dtype[np.float64]]:
+    if values is None:
+        return np.full(h, math.nan)
+    vector = np.asarray(values, np.float64).reshape(-1)
+    if vector.shape != (h,):
+        raise ValueError(f"{name} has {vector.size} values for {h} heads")
+    return vector
+
+
+def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.float64]]) -> Forwarded:
+    try:
+        source = entry["source"]
+        identity = TraceIdentity(
+            trace_id=str(entry["trace_id"]), request_id=str(entry["request_id"]), model_id=str(entry["model_id"]),
+            model_revision=str(entry["model_revision"]), contract_id=str(entry["contract_id"]),
+            layer=int(entry["layer"]), key_count=int(entry["key_count"]),
+            trace_timestamp=float(entry["trace_timestamp"]),
+            source=(str(source["topic"]), int(source["partition"]), int(source["offset"])))
+        heads, outcome = tuple(str(head) for head in entry["heads"]), str(entry["outcome"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed(f"an entry's identity is incomplete: {type(exc).__name__}: {exc}") from exc
+    per_head = {name: floats[i * h:(i + 1) * h].copy() for i, name in enumerate(_PER_HEAD)}
+    rest = floats[len(_PER_HEAD) * h:]
+    metrics = HeadMetrics(
+        entropy=per_head["entropy"], concentration=per_head["concentration"], sink_share=per_head["sink_share"],
+        similarity=rest[: h * h].reshape(h, h).copy(), diversity=np.array(rest[h * h]),
+        effective_heads=np.array(rest[h * h + 1]), prompt_mass=per_head["prompt_mass"],
+        learned_sink=per_head["learned_sink"])
+    return Forwarded(identity, heads, metrics, outcome)
+
+
+def _malformed(detail: str) -> TraceRejected:
+    return TraceRejected(RejectReason.MALFORMED, f"observations record: {detail}")
