@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     anomalies_topic: str = DEFAULT.anomalies
     dead_letter_topic: str = DEFAULT.dead_letter
     references_topic: str = DEFAULT.references
+    observations_topic: str = DEFAULT.observations
     batch_max_records: int = Field(500, gt=0)
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
@@ -83,6 +84,10 @@ class Settings(BaseSettings):
                                         "1 a second), split over all the revision's streams (docs/detection.md)")
     min_effect: float = Field(DetectorConfig.min_effect, ge=0)
     reference_pins: CommaList = Field(default_factory=list, description="model@revision=reference_revision, ...")
+    judging: Literal["instance", "fleet"] = Field("instance", description="instance: each instance judges the "
+                                                  "traces of its partitions; fleet: each stream is judged by one "
+                                                  "instance, wherever it was measured (needs the observations "
+                                                  "topic; not yet restored on takeover, docs/scaling.md)")
     incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
                                     "anomaly of its family on its layer")
     join_ttl_s: float = Field(30.0, gt=0)
@@ -179,7 +184,7 @@ class Settings(BaseSettings):
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
-                      self.dead_letter_topic, self.references_topic)
+                      self.dead_letter_topic, self.references_topic, self.observations_topic)
 
     def scopes(self) -> ScopePolicy:
         if not self.allowed_scopes:

@@ -2,7 +2,8 @@
 (``attention-monitor acls apply``; docker-compose.yml runs it at start).
 
 - ``monitor``: reads traces, outcomes, contracts and reference decisions; reads and
-  writes its outputs (it reads them back after a restart); its consumer group; its
+  writes its outputs (it reads them back after a restart) and the observations on their
+  way to their judge (``JUDGING=fleet``); its consumer group; its
   transactional ids (``<group>-…``), which commit outputs with offsets.
 - ``model-server``: writes traces, outcomes and model contracts.
 - ``operator``: writes reference decisions; reads outputs, decisions and contracts
@@ -33,7 +34,8 @@ def grants(role: str, topics: Topics, group_id: str) -> list[tuple[ResourceType,
         return [
             *((ResourceType.TOPIC, t, False, [READ, DESCRIBE])
               for t in (topics.traces, topics.outcomes, topics.contracts, topics.references)),
-            *((ResourceType.TOPIC, t, False, [READ, WRITE, DESCRIBE]) for t in (topics.anomalies, topics.dead_letter)),
+            *((ResourceType.TOPIC, t, False, [READ, WRITE, DESCRIBE])
+              for t in (topics.anomalies, topics.dead_letter, topics.observations)),
             (ResourceType.GROUP, group_id, False, [READ]),
             (ResourceType.TRANSACTIONAL_ID, f"{group_id}-", True, [WRITE, DESCRIBE]),
         ]

@@ -63,6 +63,7 @@ class Command(Enum):
 
     OBSERVE = "observe"  #: (chunk,) → observed (decoded, verified, measured; not judged)
     JUDGE = "judge"  #: (observed,) → results
+    JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries,) → verdicts (JUDGING=fleet)
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
     DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
@@ -79,6 +80,8 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.observe(chunk.records(ring) if isinstance(chunk, Placed) else chunk)
     if command is Command.JUDGE:
         return measurer.judge(args[0])
+    if command is Command.JUDGE_FORWARDED:
+        return measurer.judge_forwarded(args[0])
     if command is Command.SET_CONTRACTS:
         return measurer.set_contracts(args[0])
     if command is Command.FORGET:

@@ -36,6 +36,7 @@ from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits, Trace, check_mass, check_values, decode, masses_within
 from monitor.protocol.decisions import ReferenceDecision
 from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Record, TraceIdentity
 
 log = logging.getLogger(__name__)
@@ -133,13 +134,16 @@ class MeasurerSpec:
     state: Mapping[str, Any] | None = None  #: detector reference state to start from
     log_level: int = logging.INFO
     reuse_freed_memory: bool = True  #: see :mod:`monitor.measuring.tuning`
+    #: judge the traces measured here (``JUDGING=instance``); with ``fleet`` they are only
+    #: de-duplicated, and judged where their stream's observations arrive
+    judges: bool = True
 
     def build(self) -> Measurer:
         detector = Detector(self.detector)
         if self.state is not None:
             detector.merge_state(self.state)
         return Measurer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), detector=detector,
-                        limits=self.limits, dedupe_window=self.dedupe_window)
+                        limits=self.limits, dedupe_window=self.dedupe_window, judges=self.judges)
 
 
 class Measurer:
@@ -152,9 +156,11 @@ class Measurer:
         detector: Detector,
         limits: Limits | None = None,
         dedupe_window: int = 100_000,
+        judges: bool = True,
     ):
         self.keyring, self.scopes, self.contracts = keyring, scopes, contracts
         self.detector = detector
+        self.judges = judges
         self.limits = limits or Limits()
         self.recent = RecentKeys(dedupe_window)
         self._scratch = Scratch()
@@ -185,6 +191,10 @@ class Measurer:
         """De-duplicate and run the detector, in the order given (record order). What
         the detector can work out before judging is worked out for all the traces at
         once (:meth:`Detector.ahead`; the verdicts are the same)."""
+        if not self.judges:
+            return [item if isinstance(item, Rejected) else
+                    Duplicate(item.identity.trace_id) if not self.recent.add(("trace", item.identity.trace_id)) else
+                    Measured(item.identity, item.heads, item.metrics, item.seconds) for item in observed]
         started = time.perf_counter()
         traces = [item for item in observed if isinstance(item, Observed)]
         observations = [item.observation() for item in traces]
@@ -216,6 +226,35 @@ class Measurer:
                 log.info("%s", event)
             out.append(Measured(item.identity, item.heads, item.metrics,
                                 item.seconds + time.perf_counter() - started, verdict))
+        return out
+
+    def judge_forwarded(self, entries: list[Forwarded]) -> list[Verdict | Duplicate | Rejected]:
+        """Judge traces measured elsewhere (``JUDGING=fleet``), in the order given, as
+        :meth:`judge` judges those measured here; a trace judged before is a
+        :class:`Duplicate` (the judge's own window, apart from the measuring side's)."""
+        fresh = [e for e in entries if self.recent.add(("judged", e.identity.trace_id))]
+        observations = [e.observation() for e in fresh]
+        try:
+            worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
+        except Exception as exc:  # each is judged alone below, and fails alone
+            log.error("judging %d forwarded traces together failed unexpectedly", len(fresh), exc_info=exc)
+            worked_out = [None] * len(fresh)
+        ahead = {id(e): (o, w) for e, o, w in zip(fresh, observations, worked_out, strict=True)}
+        out: list[Verdict | Duplicate | Rejected] = []
+        for entry in entries:
+            if id(entry) not in ahead:
+                out.append(Duplicate(entry.identity.trace_id))
+                continue
+            observation, worked = ahead[id(entry)]
+            try:
+                verdict = self.detector.observe(observation, worked)
+            except Exception as exc:  # one trace must not stop the partition
+                log.error("judging %s failed unexpectedly", entry.identity.trace_id, exc_info=exc)
+                out.append(Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None))
+                continue
+            for event in verdict.events:
+                log.info("%s", event)
+            out.append(verdict)
         return out
 
     def _decode(self, record: Record) -> Trace | Rejected:

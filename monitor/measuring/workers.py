@@ -30,12 +30,14 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from monitor.core.detect import Verdict
 from monitor.measuring import ring as ring_module
 from monitor.measuring.child import Child, Chunk, Command, Placed, execute
 from monitor.measuring.judge import Judge
-from monitor.measuring.measurer import MeasurerSpec, Result
+from monitor.measuring.measurer import Duplicate, MeasurerSpec, Rejected, Result
 from monitor.protocol.decisions import ReferenceTable
 from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Record
 
 #: a chunk of trace records measured at once (as a batch): a quarter of the ring, so four
@@ -170,6 +172,11 @@ class Measuring:
     def submit(self, records: list[Record]) -> list[Future[list[Result]]]:
         """Queue trace records; their results, chunk by chunk, in order."""
         return [self._judge.judge(self.observers.observe(chunk, size)) for chunk, size in chunks(records)]
+
+    def judge_forwarded(self, entries: list[Forwarded]) -> Future[list[Verdict | Duplicate | Rejected]]:
+        """Queue traces measured elsewhere for the judge (``JUDGING=fleet``), in order
+        with everything else it is given; their verdicts."""
+        return self._judge.command(Command.JUDGE_FORWARDED, (entries,))
 
     def sync_contracts(self, table: ContractTable) -> None:
         """Send the contract table to every observer if it changed since the last call

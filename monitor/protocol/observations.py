@@ -37,9 +37,11 @@ from typing import Any
 import numpy as np
 
 from monitor.core.detect import Observation
+from monitor.core.join import MISSING
 from monitor.core.metrics import HeadMetrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.protocol.records import TraceIdentity
+from monitor.protocol.schema import OUTCOMES
 
 __all__ = ["MAGIC", "VERSION", "Forwarded", "decode", "encode", "judge_key", "parse_key"]
 
@@ -150,6 +152,8 @@ def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.fl
         heads, outcome = tuple(str(head) for head in entry["heads"]), str(entry["outcome"])
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(f"an entry's identity is incomplete: {type(exc).__name__}: {exc}") from exc
+    if outcome not in (*OUTCOMES, MISSING):
+        raise _malformed(f"outcome {outcome!r} is none of {[*OUTCOMES, MISSING]}")
     per_head = {name: floats[i * h:(i + 1) * h].copy() for i, name in enumerate(_PER_HEAD)}
     rest = floats[len(_PER_HEAD) * h:]
     metrics = HeadMetrics(

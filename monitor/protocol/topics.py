@@ -22,6 +22,9 @@ class Topics:
     anomalies: str = "attention-anomalies"
     dead_letter: str = "attention-dead-letter"
     references: str = "attention-references"
+    #: internal: measured traces on their way to the instance that judges their stream
+    #: (``JUDGING=fleet``; :mod:`monitor.protocol.observations`)
+    observations: str = "attention-observations"
 
 
 DEFAULT = Topics()
@@ -36,9 +39,9 @@ class TopicSpec:
 
 def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
     """Every topic the monitor reads or writes, as it should be created. ``partitions``
-    bounds how many instances share the work (traces, outcomes and anomalies get that
-    many; the contracts and references topics are one compacted partition each, read in
-    full by everyone)."""
+    bounds how many instances share the work (traces, outcomes, anomalies and the
+    observations, keyed by judge, get that many; the contracts and references topics are
+    one compacted partition each, read in full by everyone)."""
     if partitions < 1:
         raise ValueError("partitions must be at least 1")
     return [
@@ -48,4 +51,5 @@ def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
         TopicSpec(topics.references, 1, {"cleanup.policy": "compact"}),
         TopicSpec(topics.anomalies, partitions),
         TopicSpec(topics.dead_letter, max(1, partitions // 4)),
+        TopicSpec(topics.observations, partitions),
     ]

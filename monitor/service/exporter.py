@@ -257,6 +257,8 @@ class LayerSeries:
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
         #: joined traces of the layer by outcome since start, as anomaly records carry them
         self.outcome_counts = dict.fromkeys(OUTCOMES, 0)
+        #: the same, of the traces judged here (JUDGING=fleet: those of the whole fleet)
+        self.judged_outcomes = dict.fromkeys(OUTCOMES, 0)
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
         self.reference_traces = metrics.reference_traces.labels(*key)
@@ -324,6 +326,13 @@ class LayerSeries:
                 self._metrics.reference_judge.remove(*self._key, self._judge)
             self._metrics.reference_judge.labels(*self._key, value).set(1)
             self._judge = value
+
+    def observe_judged_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
+        """A trace judged here with the outcome it was joined to where it was measured
+        (JUDGING=fleet: that instance counted the trace's outcome, this one its anomalies')."""
+        self.judged_outcomes[outcome] += 1
+        for kind in set(kinds):
+            self.anomaly_outcomes[(kind, outcome)].inc()
 
     def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
         self.outcome_counts[outcome] += 1

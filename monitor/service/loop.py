@@ -53,7 +53,7 @@ from monitor.service.delivery import Delivery
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
 from monitor.service.http import MetricsServer
-from monitor.service.pins import PinCheck
+from monitor.service.pins import PinCheck, pins
 from monitor.service.pipeline import Batch, Pipeline
 from monitor.service.state_file import StateFile
 from monitor.settings import Settings
@@ -85,6 +85,8 @@ class Service:
         self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
         self.pins = PinCheck({})  #: with the settings' pins, once they are read (run)
+        self._pins_in_force: dict[tuple[str, str], str] = {}
+        self._pins_version = -1
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
         self.stopping = threading.Event()
@@ -128,7 +130,8 @@ class Service:
             self.contracts = ContractTable(contract_verifier(keyring), s.max_contracts)
             state = None if self.state_file is None else self.state_file.load(detector)
             spec = MeasurerSpec(keyring, s.scopes(), s.limits(), detector, s.dedupe_window, state,
-                                logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
+                                logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory,
+                                judges=s.judging == "instance")
             processes = s.measuring_processes()
             measuring = Measuring(spec, processes)
             self.metrics.measuring_processes.set(processes)
@@ -137,7 +140,8 @@ class Service:
             if (warning := s.measuring_warning()) is not None:
                 log.warning("%s", warning)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
-                                join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s)
+                                join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s,
+                                judging=s.judging, judged_by=self._judged_by)
             for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):
                 readers.append(TableReader(kafka, topic, table))
                 readers[-1].load(s.startup_timeout_s)
@@ -145,12 +149,17 @@ class Service:
                      len(self.references.decisions))
             self.pins = PinCheck(detector.pins)
             self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
+            self._follow_pins()
+            if s.judging == "fleet":
+                log.warning("JUDGING=fleet: each stream is judged by the instance that owns its key on %s; a "
+                            "judge's references and evidence do not yet follow its partition to another "
+                            "instance (docs/scaling.md)", self.topics.observations)
             frozen = collect_less()
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer, consumer = self._clients(kafka)
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
-                                   self.topics.dead_letter])
+                                   self.topics.dead_letter, *self._internal()])
             consumer.subscribe()
             log.info("committing finished batches together at most every %d ms (COMMIT_INTERVAL_MS)",
                      s.commit_interval_ms)
@@ -186,7 +195,7 @@ class Service:
         producer = OutputProducer(kafka, s.instance(), delivery_timeout_ms=s.delivery_timeout_ms,
                                   on_failure=lambda reason: self.metrics.output_failures.labels(reason).inc())
         try:
-            consumer = GroupMember(kafka, s.group_id, [self.topics.traces, self.topics.outcomes],
+            consumer = GroupMember(kafka, s.group_id, [self.topics.traces, self.topics.outcomes, *self._internal()],
                               max_records=s.batch_max_records, max_partition_fetch_bytes=s.fetch_partition_bytes,
                               group_instance_id=f"{s.client_id}-{socket.gethostname()}"
                               if s.static_membership else None,
@@ -244,12 +253,28 @@ class Service:
                 finished.clear()
             self.metrics.observe_contracts(self.contracts)
             self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
+            self._follow_pins()
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)
             self._maybe_save_state(measuring)
         _complete(delivery, [*finished, *running])
         log.info("stop requested: last batch committed")
+
+    def _internal(self) -> list[str]:
+        """The topics between this instance's two steps (JUDGING=fleet): read and written."""
+        return [self.topics.observations] if self.settings.judging == "fleet" else []
+
+    def _follow_pins(self) -> None:
+        """The pins in force, for :meth:`_judged_by` (worked out again when the references
+        topic brought a decision; replaced whole, so the pipeline's thread reads either)."""
+        if self.references.version != self._pins_version:
+            self._pins_version = self.references.version
+            self._pins_in_force = pins(self.pins.settings_pins, self.references)
+
+    def _judged_by(self, model: str, revision: str) -> str:
+        """The revision whose reference judges ``revision``'s traces: its judge's key."""
+        return self._pins_in_force.get((model, revision), revision)
 
     def _names_unknown_contract(self, records: list[Record]) -> bool:
         """Whether a trace of the poll names a contract this instance does not know (the
@@ -294,7 +319,8 @@ class Service:
         emitted: set[Source] = set()
         if change.new:
             committed = consumer.committed(change.new)
-            written = read_back(self.settings.kafka_connection(), [self.topics.anomalies, self.topics.dead_letter],
+            written = read_back(self.settings.kafka_connection(),
+                                [self.topics.anomalies, self.topics.dead_letter, *self._internal()],
                                 change.new, committed, self.settings.dedupe_window)
             emitted = written.sources
             measuring.remember(written.trace_ids)  # a trace sent again after a restart stays a duplicate

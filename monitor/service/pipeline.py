@@ -27,14 +27,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from monitor.core.detect import Anomaly
+from monitor.core.detect import Anomaly, Verdict
 from monitor.core.incidents import Change, IncidentTracker
 from monitor.core.join import JoinBuffer, Joined
-from monitor.errors import RejectReason
+from monitor.core.metrics import HeadMetrics
+from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
 from monitor.measuring.workers import Measuring, results
+from monitor.protocol import observations
 from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
+from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Output, Record, Source, TraceIdentity
 from monitor.protocol.schema import TaskOutcome
 from monitor.protocol.topics import Topics
@@ -73,6 +76,18 @@ class _Waiting:
     series: LayerSeries
     anomalies: list[Anomaly] = field(default_factory=list)
     evidence: dict[str, Any] | None = None  #: the anomalous trace beside its reference (anomaly records carry it)
+    #: what its judge needs (JUDGING=fleet: forwarded once its outcome is known)
+    heads: tuple[str, ...] = ()
+    metrics: HeadMetrics | None = None
+
+
+@dataclass(frozen=True)
+class _Judging:
+    """A batch's observation records (JUDGING=fleet): each one's entries, or why it
+    could not be read, and the judge's verdicts on all the entries, in order."""
+
+    entries: dict[Source, list[Forwarded] | TraceRejected]
+    verdicts: Future[list[Verdict | Duplicate | Rejected]] | None
 
 
 class Pipeline:
@@ -87,7 +102,16 @@ class Pipeline:
         incident_quiet: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        judging: str = "instance",
+        judged_by: Callable[[str, str], str] = lambda model, revision: revision,
     ):
+        """``judging`` is ``JUDGING``: with ``fleet``, measured traces leave, joined to their
+        outcome, for the observations topic keyed by their stream's judge
+        (``judged_by(model, revision)``: the revision whose reference judges it), and the
+        observation records this instance is given are judged here."""
+        self.fleet = judging == "fleet"
+        self.judged_by = judged_by
+        self._forward: dict[bytes, list[Forwarded]] = {}  #: this batch's traces for their judges, by key
         self.measuring = measuring
         self.metrics = metrics
         self.topics = topics or Topics()
@@ -108,15 +132,34 @@ class Pipeline:
         """Measure and account for a batch; an empty batch only lets traces whose outcome
         did not come within the TTL leave with ``missing``."""
         measuring = self.measuring.submit([r for r in records if r.topic == self.topics.traces])
-        return self._worker.submit(self._account, records, measuring)
+        judging = self._judging([r for r in records if r.topic == self.topics.observations]) if self.fleet else None
+        return self._worker.submit(self._account, records, measuring, judging)
+
+    def _judging(self, records: list[Record]) -> _Judging:
+        """Read a batch's observation records and queue their entries for the judge (in
+        order with the traces measured before and after them)."""
+        entries: dict[Source, list[Forwarded] | TraceRejected] = {}
+        queued: list[Forwarded] = []
+        for record in records:
+            try:
+                observations.parse_key(record.key)
+                read = observations.decode(record.value)
+            except TraceRejected as exc:
+                entries[(record.topic, record.partition, record.offset)] = exc
+                continue
+            entries[(record.topic, record.partition, record.offset)] = read
+            queued += read
+        return _Judging(entries, self.measuring.judge_forwarded(queued) if queued else None)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
     # --- the pipeline's own thread (or, for the methods below, while it is idle) --------
 
-    def _account(self, records: list[Record], measuring: list[Future[list[Result]]]) -> Batch:
+    def _account(self, records: list[Record], measuring: list[Future[list[Result]]],
+                 judging: _Judging | None) -> Batch:
         measured = results(measuring)
+        verdicts = iter(judging.verdicts.result() if judging is not None and judging.verdicts is not None else [])
         outputs = []
         taught = False
         for record in records:
@@ -124,11 +167,20 @@ class Pipeline:
                 result = next(measured)
                 taught |= isinstance(result, Measured) and result.verdict.learning
                 outputs += self._trace(record, result)
+            elif judging is not None and record.topic == self.topics.observations:
+                entries = judging.entries[(record.topic, record.partition, record.offset)]
+                if isinstance(entries, TraceRejected):
+                    outputs += self._reject(record, entries.reason, entries.detail, None)
+                else:
+                    judged = [(entry, next(verdicts)) for entry in entries]
+                    taught |= any(isinstance(v, Verdict) and v.learning for _, v in judged)
+                    outputs += self._judged(record, judged)
             else:
                 outputs += self._outcome(record)
             self._progress[(record.topic, record.partition)] = record.offset + 1
         outputs += self._emit(self.join.expire(self._watermark()))
         outputs += self._incident_records(self.incidents.expire(self._clock()), None)
+        outputs += self._forwarded()
         return Batch(outputs, dict(self._progress), self._committable(), taught)
 
     def _event_time(self, record: Record, stream: str) -> float:
@@ -161,6 +213,12 @@ class Pipeline:
         ident = result.identity
         series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
         series.observe_trace(result.heads, result.metrics)
+        if self.fleet:  # judged where its stream's observations arrive, once its outcome is known
+            self.metrics.processing.observe(result.seconds)
+            self.metrics.trace_processed(self._wall())
+            waiting = _Waiting(ident, series, heads=result.heads, metrics=result.metrics)
+            at = self._event_time(record, "trace")
+            return self._emit(self.join.add_trace(ident.request_id, waiting, record.partition, record.offset, at))
         series.observe_verdict(result.verdict)
         if result.verdict.evicted:
             self.metrics.references_evicted.inc(result.verdict.evicted)
@@ -202,7 +260,7 @@ class Pipeline:
                                    for _, a in sorted(incident.also_changed.items()))
                 log.info("incident %s: other layers changed too: %s", incident.id, layers)
             doc = incident_record(incident.summary(), change.what, self._wall())
-            source = (self.topics.traces, record.partition, record.offset) if record is not None else ("", -1, -1)
+            source = (record.topic, record.partition, record.offset) if record is not None else ("", -1, -1)
             out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
                               source))
         return out
@@ -243,6 +301,12 @@ class Pipeline:
             with self._emitted_lock:
                 if source in self._emitted:
                     continue
+            if self.fleet:
+                assert w.metrics is not None
+                key = observations.judge_key(w.trace.model_id, self.judged_by(w.trace.model_id,
+                                                                              w.trace.model_revision))
+                self._forward.setdefault(key, []).append(Forwarded(w.trace, w.heads, w.metrics, item.outcome))
+                continue
             for anomaly in w.anomalies:
                 doc = anomaly_record(w.trace.fields(), anomaly, item.outcome, self._wall(), w.evidence,
                                      w.series.outcome_counts)
@@ -250,6 +314,51 @@ class Pipeline:
                                   json.dumps(doc, sort_keys=True).encode(), source))
         self._sync_join_gauges()
         return out
+
+    def _forwarded(self) -> list[Output]:
+        """The batch's joined traces for their judges: one record per judge key, its
+        traces in the order they were joined (``monitor.protocol.observations``)."""
+        out = [Output(self.topics.observations, key, observations.encode(entries), entries[0].identity.source)
+               for key, entries in self._forward.items()]
+        self._forward = {}
+        return out
+
+    def _judged(self, record: Record, judged: list[tuple[Forwarded, Verdict | Duplicate | Rejected]]
+                ) -> list[Output]:
+        """Verdicts on an observation record's traces (JUDGING=fleet): readiness, anomaly
+        counts and their outcomes on /metrics; anomaly records, which carry the outcome
+        the trace came with, and incidents."""
+        source = (record.topic, record.partition, record.offset)
+        with self._emitted_lock:
+            written = source in self._emitted
+        outputs = []
+        for entry, verdict in judged:
+            if isinstance(verdict, Duplicate):
+                self.metrics.duplicates.inc()
+                continue
+            if isinstance(verdict, Rejected):
+                self.metrics.rejected.labels(verdict.reason.value).inc()
+                continue
+            ident = entry.identity
+            series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
+            series.observe_verdict(verdict)
+            if verdict.evicted:
+                self.metrics.references_evicted.inc(verdict.evicted)
+            for anomaly in verdict.anomalies:
+                series.observe_anomaly(anomaly.kind)
+            series.observe_judged_outcome(entry.outcome, (a.kind for a in verdict.anomalies))
+            if not verdict.anomalies or written:
+                continue
+            now = self._wall()
+            evidence = evidence_fields(verdict.evidence)
+            docs = [anomaly_record(ident.fields(), anomaly, entry.outcome, now, evidence, series.judged_outcomes)
+                    for anomaly in verdict.anomalies]
+            changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies,
+                                             docs, self._clock(), now)
+            outputs += self._incident_records(changes, record)
+            outputs += [Output(self.topics.anomalies, ident.request_id.encode(),
+                               json.dumps(doc, sort_keys=True).encode(), source) for doc in docs]
+        return outputs
 
     def _sync_join_gauges(self) -> None:
         self.metrics.join_entries.set(len(self.join))
@@ -264,7 +373,8 @@ class Pipeline:
         traces, outcomes = self.join.oldest_offsets()
         safe = {}
         for (topic, partition), position in self._progress.items():
-            waiting = (traces if topic == self.topics.traces else outcomes).get(partition)
+            held = traces if topic == self.topics.traces else outcomes if topic == self.topics.outcomes else {}
+            waiting = held.get(partition)
             safe[(topic, partition)] = min(position, waiting) if waiting is not None else position
         return safe
 

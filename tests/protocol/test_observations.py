@@ -94,6 +94,7 @@ def test_the_key_names_the_model_and_the_judging_revision():
     (lambda v: v[:9] + b"}" + v[10:], "unreadable header"),
     (lambda v: _with_header(v, {"entries": [{"heads": ["h"] * 8}]}), "identity is incomplete"),
     (lambda v: _with_header(v, {"items": []}), "unreadable header"),
+    (lambda v: v.replace(b'"outcome":"failure"', b'"outcome":"maybe!!"'), "outcome 'maybe!!' is none of"),
     (lambda v: None, "0 bytes"),
 ])
 def test_a_record_it_cannot_read_is_refused_as_malformed_naming_why(mangle, says):

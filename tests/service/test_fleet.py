@@ -1,0 +1,119 @@
+"""JUDGING=fleet on the real broker: each stream is judged in one place, so three
+instances in one group find a canary as one instance does.
+
+With JUDGING=instance, three instances given the traffic one reference needs each held
+a third of it: no reference was ready and every trace of a collapsed canary went
+unjudged (measured with the shipped defaults: 65–69 ``no_reference`` per instance, nothing
+found). Here the same traffic reaches one judge, wherever it was measured."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kafka import KafkaAdminClient
+
+from devstack.wait import wait_for
+from monitor.producer import TraceProducer
+from monitor.tools.scenario import Fault, Scenario
+from tests.service.harness import (
+    KEY_ID,
+    SECRET,
+    Monitor,
+    OutputReader,
+    make_topics,
+    monitor_env,
+    publish_contracts,
+    series,
+)
+
+pytestmark = [pytest.mark.kafka]
+
+HEALTHY = Scenario(revision="rev-1")
+CANARY = Scenario(revision="rev-2", faults=(Fault("collapse", 2, (1, 2, 3, 4)),))
+REFERENCE_TRACES = 30  #: the harness's: one reference a layer from 30 healthy requests
+PARTITIONS = 3
+
+
+def send(bootstrap: str, topics, scenario: Scenario, requests: int, seed: int) -> None:
+    """Each request's traces (one a layer) and its outcome, as a model server sends them."""
+    rng = np.random.default_rng(seed)
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
+        for i in range(requests):
+            request_id = f"{scenario.revision}-{i}"
+            for header, weights in scenario.request(rng, request_id, timestamp=time.time()):
+                producer.send(header, weights)
+            producer.send_outcome(request_id, "failure" if scenario.faults else "success")
+
+
+def total(monitors: list[Monitor], name: str) -> float:
+    return sum(m.value(name) for m in monitors)
+
+
+def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, object]:
+    """The same traffic through ``instances`` monitors in one group: healthy requests
+    enough for one reference, then a collapsed canary pinned to it. What they found."""
+    topics = make_topics(make_topic, partitions=PARTITIONS)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract(), CANARY.contract()])
+    group = f"fleet-{instances}-{tmp_path.name}"
+    monitors = []
+    for i in range(instances):
+        (tmp_path / f"m{i}").mkdir(parents=True)
+        env = monitor_env(kafka_broker.bootstrap, topics, group, tmp_path / f"m{i}", judging="fleet",
+                          measure_processes=0, client_id=f"fleet-{i}", reference_pins="scenario-lm@rev-2=rev-1")
+        monitors.append(Monitor(env, tmp_path / f"m{i}.log", name=f"monitor-{i}"))
+    try:
+        for m in monitors:
+            m.wait_ready(timeout=90)
+        admin = KafkaAdminClient(**kafka_broker.client_config())
+        try:  # every partition owned before traffic: no rebalance moves a judge meanwhile
+            def settled() -> bool:
+                described = admin.describe_groups([group])[group]
+                return described["group_state"] == "Stable" and len(described["members"]) == instances
+            wait_for(settled, timeout=90, what=f"the group of {instances} stable")
+        finally:
+            admin.close()
+
+        send(kafka_broker.bootstrap, topics, HEALTHY, REFERENCE_TRACES, seed=1)
+        ready = [series("attention_reference_ready", layer=layer, model="scenario-lm", revision="rev-1")
+                 for layer in range(HEALTHY.layers)]
+        wait_for(lambda: all(total(monitors, r) == 1 for r in ready), timeout=120,
+                 what="rev-1's references ready on the fleet")
+        counts = [max(m.value(r.replace("reference_ready", "reference_traces")) for m in monitors) for r in ready]
+
+        reader = OutputReader(kafka_broker.bootstrap, topics.anomalies)
+        send(kafka_broker.bootstrap, topics, CANARY, 10, seed=2)
+        def canary(got: dict[str, list[dict[str, object]]]) -> list[dict[str, object]]:
+            return [d for d in got[topics.anomalies] if d.get("schema") == "attention-anomaly/1"]
+
+        found = reader.wait(lambda got: len({d["request_id"] for d in canary(got)}) == 10, timeout=120,
+                            what="every canary request found")
+        reader.close()
+        findings = canary(found)
+        measured = [m.value(series("attention_traces_total", layer=0, model="scenario-lm", revision="rev-1"))
+                    for m in monitors]
+        judged = [sum(v for k, v in m.metrics().items()
+                      if k.startswith("attention_anomalies_total{") and "revision=rev-2" in k) for m in monitors]
+        return {"counts": counts, "first": min(int(str(d["request_id"]).rpartition("-")[2]) for d in findings),
+                "outcomes": {d["outcome"] for d in findings}, "layers": {d["layer"] for d in findings},
+                "kinds": sorted({str(d["kind"]) for d in findings}),
+                "measured": measured, "judged": judged}
+    finally:
+        for m in monitors:
+            m.process.stop()
+
+
+def test_three_instances_find_the_canary_as_one_instance_does(kafka_broker, make_topic, tmp_path):
+    one = run(kafka_broker, make_topic, tmp_path / "one", 1)
+    three = run(kafka_broker, make_topic, tmp_path / "three", 3)
+    for got in (one, three):
+        assert got["counts"] == [REFERENCE_TRACES] * HEALTHY.layers  # one reference of all 30 requests a layer
+        assert got["first"] == 0  # the canary's first request is found
+        assert got["outcomes"] == {"failure"} and got["layers"] == {2}  # joined where it was measured
+    # the collapse found on both (which other kinds cross too may differ: the judge reads the traces of
+    # three instances in another order, and a reference's calibration folds follow its order)
+    assert "entropy_collapse" in one["kinds"] and "entropy_collapse" in three["kinds"], (one, three)
+    assert sum(v > 0 for v in three["measured"]) >= 2, three["measured"]  # measured on several instances...
+    assert sum(v > 0 for v in three["judged"]) == 1, three["judged"]  # ...and judged on one
