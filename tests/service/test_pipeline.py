@@ -11,6 +11,7 @@ import monitor.measuring.measurer as measure_module
 from monitor.core.detect import DetectorConfig
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.workers import Measuring
+from monitor.protocol import observations
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Output, Record
@@ -19,7 +20,7 @@ from monitor.service.exporter import MonitorMetrics
 from monitor.service.pipeline import Pipeline
 from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
 
-TRACES, OUTCOMES = Topics().traces, Topics().outcomes
+TRACES, OUTCOMES, OBSERVATIONS = Topics().traces, Topics().outcomes, Topics().observations
 
 
 class Clock:
@@ -33,13 +34,15 @@ class Clock:
 def make_pipeline():
     made = []
 
-    def make(clock=None):
+    def make(clock=None, judging="instance"):
         contracts = ContractTable()
         contracts.add(CONTRACT)
-        measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000), 0)
+        measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000,
+                                           judges=judging == "instance"), 0)
         measuring.sync_contracts(contracts)
         registry = CollectorRegistry()
-        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock())
+        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock(),
+                        judging=judging)
         made.append((pipe, measuring))
         return pipe, registry
 
@@ -141,3 +144,32 @@ def test_mass_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons(mak
                                      {"model": "test-model", "revision": "rev-1", "layer": "0"}) is None
     for reason in ("masked_mass", "row_sum"):
         assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": reason}) == 1
+
+
+def test_fleet_judging_forwards_joined_traces_and_judges_the_records_it_is_given(make_pipeline):
+    """JUDGING=fleet: a trace leaves for its judge once joined, with its outcome, one
+    record per judge key; the records given to the judge are judged; one it cannot read
+    is dead-lettered and counted, and its partition moves on."""
+    pipe, registry = make_pipeline(judging="fleet")
+    traces = [Record(TRACES, 0, i, b"k", make_record(i, request_id=f"req-{i}")) for i in range(3)]
+    outcomes = [Record(OUTCOMES, 0, i, b"k", json.dumps({"request_id": f"req-{i}", "outcome": o}).encode())
+                for i, o in enumerate(("success", "failure"))]
+    out = run(pipe, *traces, *outcomes)
+    (forwarded,) = [o for o in out if o.topic == OBSERVATIONS]  # req-2 still waits for its outcome
+    assert observations.parse_key(forwarded.key) == ("test-model", "rev-1")
+    entries = observations.decode(forwarded.value)
+    assert [(e.identity.request_id, e.outcome) for e in entries] == [("req-0", "success"), ("req-1", "failure")]
+    assert not [o for o in out if o.topic == Topics().anomalies]
+    assert registry.get_sample_value("attention_reference_traces", LAYER) == 0  # not judged here
+
+    out = run(pipe, Record(OBSERVATIONS, 0, 0, forwarded.key, forwarded.value),
+              Record(OBSERVATIONS, 0, 1, forwarded.key, b"garbage"))
+    assert registry.get_sample_value("attention_reference_traces", LAYER) == 2  # judged: learning
+    assert registry.get_sample_value("attention_traces_unjudged_total", {**LAYER, "reason": "learning"}) == 2
+    (dead,) = [json.loads(o.value) for o in out if o.topic == Topics().dead_letter]
+    assert dead["reason"] == "malformed" and "observations record" in dead["detail"]
+    assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": "malformed"}) == 1
+    assert pipe.process([]).result().committable[(OBSERVATIONS, 0)] == 2  # nothing held back
+
+
+LAYER = {"model": "test-model", "revision": "rev-1", "layer": "0"}
