@@ -45,6 +45,10 @@ processes judges), the measuring processes against verifying and measuring alone
 also validate the header and, when there is one, judge), the broker against serving the
 raw consumer.
 
+With ``--judging both`` the two service configurations are ``--processes`` measuring
+processes with ``JUDGING=instance`` and with ``JUDGING=fleet`` (on one instance: both
+steps, the second one's records through the broker), and a last line compares them.
+
 Last, it measures alone, one step at a time, the per-trace work the service must do
 beyond what the references do: validating the header, the detector, and the join with
 the exporter's bookkeeping; added to the references' CPU, they give a third ceiling.
@@ -331,9 +335,17 @@ def processes_label(n: int) -> str:
     return f"{n} measuring process{'' if n == 1 else 'es'}"
 
 
-def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
+def label(config: tuple[int, str]) -> str:
+    n, judging = config
+    return processes_label(n) + (", JUDGING=fleet" if judging == "fleet" else "")
+
+
+def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int,
+          judging: str = "instance") -> Served:
     """``python -m monitor run`` with ``processes`` measuring processes in its own
-    consumer group, from the first trace to the last."""
+    consumer group, from the first trace to the last. With ``judging`` fleet, the rate is
+    still the consumed traces' (the judging step follows the join's wait), and the run
+    ends when every trace is judged too, so its CPU holds both steps."""
     work = Path(tempfile.mkdtemp(prefix="service-bench-"))
     (work / "keyring.json").write_text(json.dumps({KEY_ID: SECRET.decode()}))
     port = free_port()
@@ -345,7 +357,8 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
-           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl)}
+           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_JUDGING": judging,
+           "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": "b-observations"}
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -372,6 +385,12 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
             if done:
                 cpu_last = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
             last = (now, done)
+        while judging == "fleet" and done >= args.traces and time.monotonic() < deadline:
+            service.check_alive()
+            time.sleep(SCRAPE_S)
+            if metric(port, "attention_monitor_observations_judged_total") >= args.traces:
+                cpu_last = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
+                break
         # the run ends when the last trace was accounted for, not at the scrape that saw it
         # (up to a scrape interval later: a quarter of a 4 s run)
         finished = metric(port, "attention_monitor_last_trace_timestamp_seconds")
@@ -409,6 +428,9 @@ def main() -> None:
                              "trace has --keys keys")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
                         help="the measuring processes of the second service configuration (default: the cores)")
+    parser.add_argument("--judging", choices=("instance", "fleet", "both"), default="instance",
+                        help="JUDGING of the service runs; both: --processes measuring processes with each, "
+                             "alternating, instead of 1 and --processes")
     parser.add_argument("--join-ttl", type=float, default=2.0,
                         help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
                              "long: a short TTL lets the run reach its steady state; default 2)")
@@ -422,7 +444,8 @@ def main() -> None:
     try:
         bootstrap = broker.bootstrap
         admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1}
+        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1,
+                  "observations": 4}
         admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
                             wait_for_metadata=True)
         admin.close()
@@ -477,19 +500,24 @@ def main() -> None:
         # in 11 of 13 bench invocations (the broker's transaction, commit and group paths
         # still warming up); this one warms them, with one measuring process, uncounted.
         warm_up = serve(bootstrap, broker.process.pid, "bench-service-warm-up", args, 1)
-        counts = sorted({1, args.processes})
-        served_by: dict[int, list[Served]] = {n: [] for n in counts}
-        beside: dict[int, list[float]] = {n: [] for n in counts}  #: the references' CPU just before each run
-        floor_beside: dict[int, list[float]] = {n: [] for n in counts}  #: min(raw, core) just before each run
+        configs: list[tuple[int, str]] = (
+            [(args.processes, "instance"), (args.processes, "fleet")] if args.judging == "both" else
+            [(n, args.judging) for n in sorted({1, args.processes})])
+        served_by: dict[tuple[int, str], list[Served]] = {c: [] for c in configs}
+        beside: dict[tuple[int, str], list[float]] = {c: [] for c in configs}  #: references' CPU just before each
+        floor_beside: dict[tuple[int, str], list[float]] = {c: [] for c in configs}  #: min(raw, core) just before
         raw_rates, core_rates = [raw], [core]  #: every measurement of the two rates, for the summary
         for i in range(2):  # alternate, so drift on this noisy machine hits both alike
-            for n in counts:
+            for config in configs:
+                n, judging = config
                 again = raw_consume(bootstrap, f"raw-beside-{n}-{i}", args.traces, pid, **fetch)
                 core_rates.append(core_rate(decoded, per_call))
                 raw_rates.append(again.rate)
-                floor_beside[n].append(min(again.rate, core_rates[-1]))
-                beside[n].append(again.consumer_cpu + again.broker_cpu + verify_cpu(records) + 1 / core_rates[-1])
-                served_by[n].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{i}", args, n))
+                floor_beside[config].append(min(again.rate, core_rates[-1]))
+                beside[config].append(again.consumer_cpu + again.broker_cpu + verify_cpu(records)
+                                      + 1 / core_rates[-1])
+                served_by[config].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{judging}-{i}",
+                                               args, n, judging))
     finally:
         broker.stop()
 
@@ -513,17 +541,18 @@ def main() -> None:
           f"{required.detector * 1e6:.0f} us, join and export {required.account * 1e6:.0f} us): {own * 1e3:.2f} ms")
     print(f"service warm-up run, not counted: {warm_up.rate:.0f} traces/s, CPU per trace "
           f"{warm_up.cpu_per_trace / least:.2f}x the references'")
-    fastest = {n: max(runs, key=lambda r: r.rate) for n, runs in served_by.items()}
-    for n, runs in served_by.items():
-        run = fastest[n]
-        adjacent = beside[n][runs.index(run)]
+    fastest = {c: max(runs, key=lambda r: r.rate) for c, runs in served_by.items()}
+    for config, runs in served_by.items():
+        n, judging = config
+        run = fastest[config]
+        adjacent = beside[config][runs.index(run)]
         per_trace = run.cpu_per_trace
         service_only = sum(v for k, v in run.cpu.items() if not k.startswith("broker")) / run.traces
         busy = ", ".join(f"{name} {seconds / run.span:.0%}" for name, seconds in run.cpu.items())
         ratios = ", ".join(f"{r.rate:.0f} ({r.rate / f:.0%}; {r.cpu_per_trace / least:.2f}x; "
                            f"{r.cpu_per_trace / b:.2f}x)"
-                           for r, f, b in zip(runs, floor_beside[n], beside[n], strict=True))
-        print(f"service, {processes_label(n)}: {run.rate:.0f} traces/s = "
+                           for r, f, b in zip(runs, floor_beside[config], beside[config], strict=True))
+        print(f"service, {label(config)}: {run.rate:.0f} traces/s = "
               f"{run.rate / floor:.0%} of min(raw, core); runs (rate against min(raw, core) measured again just "
               f"before the run; CPU per trace against the references'; against their CPU measured just before the "
               f"run) {ratios}")
@@ -565,11 +594,18 @@ def main() -> None:
     print(f"summary against the best raw ({max(raw_rates):.0f} records/s) and core ({max(core_rates):.0f} traces/s) "
           f"rates and the median of the references' CPU ({middle * 1e3:.2f} ms; {len(measured)} measurements, "
           f"{min(measured) * 1e3:.2f}-{max(measured) * 1e3:.2f} ms) of this invocation:")
-    for n, run in fastest.items():
-        paired = statistics.median(r.rate / f for r, f in zip(served_by[n], floor_beside[n], strict=True))
-        print(f"  {processes_label(n)}: {run.rate / best_floor:.0%} of min(raw, core), "
+    for config, run in fastest.items():
+        paired = statistics.median(r.rate / f for r, f in zip(served_by[config], floor_beside[config], strict=True))
+        print(f"  {label(config)}: {run.rate / best_floor:.0%} of min(raw, core), "
               f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references' (each run against min(raw, core) "
               f"measured just before it, median: {paired:.0%})")
+    if args.judging == "both":
+        one, fleet = (fastest[(args.processes, j)] for j in ("instance", "fleet"))
+        pairs = ", ".join(f"{f.rate / i.rate:.0%}" for i, f in zip(served_by[(args.processes, "instance")],
+                                                                   served_by[(args.processes, "fleet")], strict=True))
+        print(f"JUDGING=fleet against instance, fastest runs: {fleet.rate / one.rate:.0%} of the rate, "
+              f"{fleet.cpu_per_trace / one.cpu_per_trace:.2f}x the CPU per trace (both steps; each pair of runs: "
+              f"{pairs} of the rate)")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,8 @@ class MonitorMetrics:
                                  "its versions.", registry=r)
         self.triage = Info(f"{s}triage", "Where on-call's browser reaches this instance's /triage/ pages "
                            "(TRIAGE_URL; alerts link there). Absent when not set.", registry=None)
+        self.judged_here = Counter(f"{s}observations_judged", "Traces judged by this instance from the "
+                                   "observations topic, wherever they were measured (JUDGING=fleet).", registry=r)
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):

@@ -339,6 +339,7 @@ class Pipeline:
             if isinstance(verdict, Rejected):
                 self.metrics.rejected.labels(verdict.reason.value).inc()
                 continue
+            self.metrics.judged_here.inc()
             ident = entry.identity
             series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
             series.observe_verdict(verdict)
