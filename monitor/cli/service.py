@@ -121,7 +121,9 @@ def produce(
 
 @app.command()
 def status(
-    url: Annotated[str | None, typer.Option(help="the live service's /metrics (default: from the settings)")] = None,
+    url: Annotated[list[str] | None, typer.Option(
+        help="a live instance's /metrics (default: from the settings); give every instance's, --url once each, "
+             "for the fleet's view")] = None,
 ) -> None:
     """Which reference judges every layer, whether it is ready, and what is open.
 
@@ -129,16 +131,18 @@ def status(
     that reference holds and whether it is ready, traces nothing judged (learning, or
     pinned to a reference not ready), and open incidents; then the pins and promotions.
     Read from the saved reference state (ATTENTION_MONITOR_STATE_DIR) and the live
-    service's /metrics. Exits 1 when neither can be read."""
+    services' /metrics: with several --url, traces add up and a layer is ready when the
+    instances judging it say so (with JUDGING=fleet, the one that judges it). Exits 1
+    when nothing can be read."""
     from monitor.tools.status import gather, report
 
     settings = load_settings()
     s = settings
     host = "127.0.0.1" if s.metrics_address in ("0.0.0.0", "::", "") else s.metrics_address
-    target = url or f"{'https' if s.metrics_tls_cert else 'http'}://{host}:{s.metrics_port}/metrics"
+    targets = url or [f"{'https' if s.metrics_tls_cert else 'http'}://{host}:{s.metrics_port}/metrics"]
     auth = (s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value()) \
         if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None
-    found = gather(s.state_dir, target, settings.detector(), auth, s.metrics_tls_cert)
+    found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert, s.judging == "fleet")
     typer.echo(report(found, s.reference_traces), nl=False)
     if not found.layers and not found.decisions:
         raise typer.Exit(EXIT_FAILED)

@@ -1,6 +1,6 @@
 """``attention-monitor status``: which reference judges every layer, whether it is ready,
 what nothing judges, and which incidents are open; from the saved reference state and
-the live service's ``/metrics``."""
+the live services' ``/metrics`` (one instance's, or every instance's as one view)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class Status:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     unmatched_pins: list[tuple[str, str, str]] = field(default_factory=list)  #: (model, revision, reference)
+    #: (layer, metric) a live instance reported: it overrides the saved state's value
+    live: set[tuple[Layer, str]] = field(default_factory=set)
 
 
 def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
@@ -59,27 +61,41 @@ def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
         status.decisions.append({"model": model, "revision": revision, **decision.to_dict()})
 
 
-def from_metrics(status: Status, text: str) -> None:
+def from_metrics(status: Status, text: str, fleet: bool = False) -> None:
+    """Add one instance's /metrics to ``status``; called once per instance, it gives the
+    fleet's view: traces and unjudged traces add up, a layer's reference is the one
+    holding the most traces, and it is ready when every instance that judges it says so
+    (``fleet``, JUDGING=fleet: when the one that judges it does; the others measure the
+    layer and report 0)."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
             if sample.name == "attention_monitor_pin_unmatched" and sample.value == 1:
-                status.unmatched_pins.append((labels["model"], labels["revision"], labels["reference"]))
+                pin = (labels["model"], labels["revision"], labels["reference"])
+                if pin not in status.unmatched_pins:
+                    status.unmatched_pins.append(pin)
             if "layer" not in labels or "model" not in labels:
                 continue
             key = (labels["model"], labels["revision"], int(labels["layer"]))
             row = status.layers[key]
             if sample.name == "attention_traces_total":
-                row.traces = sample.value
+                row.traces += sample.value
             elif sample.name == "attention_reference_ready":
-                row.ready = sample.value == 1
+                ready = sample.value == 1
+                first = (key, sample.name) not in status.live
+                row.ready = ready if first or row.ready is None else (row.ready or ready) if fleet else \
+                    (row.ready and ready)
+                status.live.add((key, sample.name))
             elif sample.name == "attention_reference_traces":
-                row.reference_traces = sample.value
+                first = (key, sample.name) not in status.live
+                row.reference_traces = sample.value if first else max(row.reference_traces or 0.0, sample.value)
+                status.live.add((key, sample.name))
             elif sample.name == "attention_reference_judge" and sample.value == 1:
                 row.judged_by = labels["reference"]
             elif sample.name == "attention_traces_unjudged_total" and sample.value:
-                row.unjudged[labels["reason"]] = sample.value
-            elif sample.name == "attention_incident_open" and sample.value == 1:
+                row.unjudged[labels["reason"]] = row.unjudged.get(labels["reason"], 0.0) + sample.value
+            elif sample.name == "attention_incident_open" and sample.value == 1 and \
+                    labels["family"] not in row.incidents:
                 row.incidents.append(labels["family"])
 
 
@@ -122,15 +138,17 @@ def report(status: Status, reference_traces: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gather(state_dir: Path | None, url: str, config: DetectorConfig, basic_auth: tuple[str, str] | None = None,
-           cafile: Path | None = None) -> Status:
+def gather(state_dir: Path | None, urls: list[str], config: DetectorConfig,
+           basic_auth: tuple[str, str] | None = None, cafile: Path | None = None, fleet: bool = False) -> Status:
+    """The saved state and every instance's /metrics (``urls``) as one view."""
     status = Status()
     if state_dir is not None:
         from_state(status, state_dir, config)
     else:
         status.notes.append("no STATE_DIR set: reference state is not saved")
-    try:
-        from_metrics(status, scrape(url, basic_auth, cafile))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        status.notes.append(f"the live service at {url} did not answer ({exc}); showing the saved state only")
+    for url in urls:
+        try:
+            from_metrics(status, scrape(url, basic_auth, cafile), fleet)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            status.notes.append(f"the live service at {url} did not answer ({exc}); its view is missing")
     return status

@@ -28,6 +28,7 @@ from tests.service.harness import (
     publish_contracts,
     series,
 )
+from tests.service.test_references import cli
 
 pytestmark = [pytest.mark.kafka]
 
@@ -94,12 +95,15 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
         findings = canary(found)
         measured = [m.value(series("attention_traces_total", layer=0, model="scenario-lm", revision="rev-1"))
                     for m in monitors]
+        urls = [arg for m in monitors for arg in ("--url", f"http://127.0.0.1:{m.port}/metrics")]
+        status = cli(monitors[0].env, "status", *urls).stdout  # the fleet's view, from every instance
+        rows = [row for row in map(str.split, status.splitlines()) if row[:2] == ["scenario-lm", "rev-1"]]
         judged = [sum(v for k, v in m.metrics().items()
                       if k.startswith("attention_anomalies_total{") and "revision=rev-2" in k) for m in monitors]
         return {"counts": counts, "first": min(int(str(d["request_id"]).rpartition("-")[2]) for d in findings),
                 "outcomes": {d["outcome"] for d in findings}, "layers": {d["layer"] for d in findings},
                 "kinds": sorted({str(d["kind"]) for d in findings}),
-                "measured": measured, "judged": judged}
+                "measured": measured, "judged": judged, "status": rows}
     finally:
         for m in monitors:
             m.process.stop()
@@ -112,6 +116,10 @@ def test_three_instances_find_the_canary_as_one_instance_does(kafka_broker, make
         assert got["counts"] == [REFERENCE_TRACES] * HEALTHY.layers  # one reference of all 30 requests a layer
         assert got["first"] == 0  # the canary's first request is found
         assert got["outcomes"] == {"failure"} and got["layers"] == {2}  # joined where it was measured
+        # status over every instance: each layer's 30 traces, its reference of 30 ready (all 30 taught it:
+        # none was judged by it, "-")
+        assert [row[3:7] for row in got["status"]] == [["-", "30/30", "ready", "30"]] * HEALTHY.layers, \
+            got["status"]
     # the collapse found on both (which other kinds cross too may differ: the judge reads the traces of
     # three instances in another order, and a reference's calibration folds follow its order)
     assert "entropy_collapse" in one["kinds"] and "entropy_collapse" in three["kinds"], (one, three)
