@@ -491,6 +491,53 @@ class Detector:
                 "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()],
                 "decisions": [{"model": m, "revision": r, **d.to_dict()} for (m, r), d in self.decisions.items()]}
 
+    def key_state(self, model: str, judged_by: str) -> dict[str, Any]:
+        """Everything one judge key holds (JUDGING=fleet: the revision ``judged_by`` of
+        ``model``, and the revisions pinned to it): its references, and the evidence, and
+        the trace times of every layer it judges, as JSON-able values. With
+        :meth:`restore_key` on another detector, the two judge what follows alike."""
+        mine = self._judged_layers(model, judged_by)
+        return {"version": STATE_VERSION, "model": model, "judged_by": judged_by,
+                "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()
+                               if k[0] == model and k[1] == judged_by],
+                "layers": [{"key": list(k), "cusum": _listed(self._cusum.get(k)),
+                            "page_cusum": _listed(self._page_cusum.get(k)),
+                            "times": list(self._times.get(k, ()))} for k in mine]}
+
+    def _judged_layers(self, model: str, judged_by: str) -> list[LayerKey]:
+        """The layers with evidence whose revision ``judged_by`` judges (itself, or pinned to it)."""
+        revisions = {judged_by} | {r for (m, r) in self.decisions
+                                   if m == model and self.judge_revision(m, r) == judged_by}
+        return sorted(k for k in {*self._cusum, *self._page_cusum, *self._times}
+                      if k[0] == model and k[1] in revisions)
+
+    def restore_key(self, doc: Mapping[str, Any]) -> None:
+        """Replace one judge key's references and evidence by those of :meth:`key_state`
+        (decisions are not part of it: every instance reads them from the references
+        topic)."""
+        if doc.get("version") != STATE_VERSION:
+            raise ValueError(f"judge state version {doc.get('version')} is not {STATE_VERSION}")
+        model, judged_by = str(doc["model"]), str(doc["judged_by"])
+        for key in [k for k in self.references if k[0] == model and k[1] == judged_by]:
+            del self.references[key]
+        for key in self._judged_layers(model, judged_by):
+            self._forget_layer(key)
+        for item in doc["references"]:
+            m, r, layer = item["key"]
+            if len(self.references) >= self.config.max_references:
+                self._make_room()
+            self.references[(str(m), str(r), int(layer))] = LengthReference.from_dict(item["reference"])
+        for item in doc["layers"]:
+            m, r, layer = item["key"]
+            key = (str(m), str(r), int(layer))
+            for table, name in ((self._cusum, "cusum"), (self._page_cusum, "page_cusum")):
+                if item[name] is None:
+                    table.pop(key, None)
+                else:
+                    table[key] = np.asarray(item[name], dtype=np.float64)
+            self._times[key] = deque((float(t) for t in item["times"]), maxlen=RATE_WINDOW)
+        self._references_version += 1
+
     def merge_state(self, doc: Mapping[str, Any]) -> None:
         """Merge references and decisions from a saved state (another instance, or
         before a restart): references add up; of two decisions about a revision the
@@ -518,3 +565,7 @@ class Detector:
         self._references_version += 1
         while len(self.references) > self.config.max_references:
             self.references.popitem(last=False)
+
+
+def _listed(values: NDArray[np.float64] | None) -> list[float] | None:
+    return None if values is None else [float(v) for v in values]

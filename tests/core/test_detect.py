@@ -4,6 +4,7 @@ similarity falls with length, sinks and previous-token heads are healthy)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -229,3 +230,36 @@ def test_a_trace_worked_out_against_a_reference_evicted_and_learnt_again_in_its_
     assert [v.learning for v in expected] == [True, True, False, True, True, True, False, False]
     assert all(_same(x, y) for x, y in zip(expected, got, strict=True))
     assert _same_statistics(alone, together)
+
+
+@pytest.mark.parametrize("cut", [20, 45, 70])  # while learning, once ready, while a canary's evidence grows
+def test_a_judge_key_moved_to_another_detector_judges_what_follows_alike(cut):
+    """What JUDGING=fleet needs when a judge's partition moves: one key's references,
+    evidence and trace times, restored elsewhere, give the verdicts the first detector
+    gives from there on, bit for bit; another key's state is not part of it."""
+    rng = np.random.default_rng(7)
+    traffic = [*observations(HEALTHY, rng, 15), *observations(COLLAPSED, rng, 10)]
+    traffic = [dataclasses.replace(o, timestamp=1_000.0 + i / 4) for i, o in enumerate(traffic)]
+    other = list(observations(SUNK, rng, 3))  # r3 learns its own reference: another key
+    config = DetectorConfig(reference_traces=10, pins={("scenario-lm", "r2"): "r1"})
+    first = Detector(config)
+    for obs in [*other, *traffic[:cut]]:
+        first.observe(obs)
+
+    state = json.loads(json.dumps(first.key_state("scenario-lm", "r1")))  # as a changelog would carry it
+    assert {tuple(item["key"])[:2] for item in state["references"]} == {("scenario-lm", "r1")}
+    moved = Detector(config)
+    moved.restore_key(state)
+    layers = [tuple(item["key"]) for item in state["layers"]]
+    assert [moved.rate(k) for k in layers] == [first.rate(k) for k in layers]  # what page thresholds follow
+
+    expected = [first.observe(obs) for obs in traffic[cut:]]
+    got = [moved.observe(obs) for obs in traffic[cut:]]
+    assert any(v.anomalies for v in expected)  # the canary is found after every cut
+    assert [(v.ready, v.reference_traces, v.judged_by, v.anomalies) for v in got] == \
+        [(v.ready, v.reference_traces, v.judged_by, v.anomalies) for v in expected]
+    judged = {k: v for k, v in first.statistics().items() if k[1] in ("r1", "r2")}
+    assert judged and moved.statistics().keys() == judged.keys()
+    for key, statistic in judged.items():
+        np.testing.assert_array_equal(moved.statistics()[key], statistic)
+    assert not [k for k in moved.references if k[1] == "r3"]
