@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     dead_letter_topic: str = DEFAULT.dead_letter
     references_topic: str = DEFAULT.references
     observations_topic: str = DEFAULT.observations
+    judge_state_topic: str = DEFAULT.judge_state
     batch_max_records: int = Field(500, gt=0)
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
@@ -184,7 +185,8 @@ class Settings(BaseSettings):
 
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
-                      self.dead_letter_topic, self.references_topic, self.observations_topic)
+                      self.dead_letter_topic, self.references_topic, self.observations_topic,
+                      self.judge_state_topic)
 
     def scopes(self) -> ScopePolicy:
         if not self.allowed_scopes:

@@ -24,7 +24,7 @@ RANKS: list[set[str]] = [
     {"routing", "errors", "protocol.records", "protocol.topics", "measuring.tuning", "measuring.batching",
      "service.health"},
     {"protocol.wire", "protocol.schema", "protocol.model_contract", "protocol.decisions", "measuring.ring"},
-    {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.observations",
+    {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.observations", "protocol.judge_state",
      "protocol.contract_derivation", "triage",
      "study", "service.exporter", "service.http", "service.state_file", "service.assignment", "service.pins"},
     {"protocol.codec"},

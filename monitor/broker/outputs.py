@@ -111,7 +111,8 @@ class OutputProducer:
     def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any) -> None:
         try:
             self._producer.begin_transaction()
-            futures = [self._producer.send(out.topic, key=out.key, value=out.value) for out in outputs]
+            futures = [self._producer.send(out.topic, key=out.key, value=out.value, partition=out.partition)
+                       for out in outputs]
             if offsets:
                 self._producer.send_offsets_to_transaction(
                     {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}, group)

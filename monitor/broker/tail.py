@@ -83,6 +83,50 @@ def read_tail(connection: Connection, topics: Iterable[str], tail: int,
     return out
 
 
+def read_range(connection: Connection, topic: str, partition: int, start: int | None, end: int | None,
+               timeout_s: float = 60.0) -> list[tuple[int, bytes | None, bytes | None]]:
+    """(offset, key, value) of the committed records of one partition from ``start`` (None:
+    its beginning) up to ``end`` (None: its end now), in order: what a new owner of a
+    judge's observations partition reads back (JUDGING=fleet)."""
+    tp = (topic, partition)
+    out: list[tuple[int, bytes | None, bytes | None]] = []
+    consumer = None
+    offsets = Offsets(connection)
+    try:
+        last = offsets.end([tp], timeout_s, committed=True)[tp] if end is None else end
+        first = offsets.beginning([tp], timeout_s)[tp] if start is None else start
+        if first >= last:
+            return out
+        consumer = Consumer(reader_config(connection, **{"isolation.level": "read_committed",
+                                                         "enable.partition.eof": True}))
+        consumer.assign([TopicPartition(topic, partition, first)])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                raise InfrastructureError(f"timed out reading {topic}/{partition} from {first} to {last}",
+                                          retriable=True)
+            for m in consumer.consume(500, 0.5):
+                error = m.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        return out
+                    if error.fatal():
+                        raise from_librdkafka(f"reading {topic}/{partition} failed", error)
+                    continue
+                offset = m.offset() or 0
+                if offset >= last:
+                    return out
+                out.append((offset, m.key(), m.value()))
+                if offset + 1 >= last:
+                    return out
+    except KafkaException as exc:
+        raise from_librdkafka(f"reading {topic}/{partition} failed", exc) from exc
+    finally:
+        offsets.close()
+        if consumer is not None:
+            consumer.close()
+
+
 @dataclass(frozen=True)
 class Written:
     """What the committed outputs say about some partitions."""

@@ -64,6 +64,8 @@ class Command(Enum):
     OBSERVE = "observe"  #: (chunk,) → observed (decoded, verified, measured; not judged)
     JUDGE = "judge"  #: (observed,) → results
     JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries,) → verdicts (JUDGING=fleet)
+    KEY_STATES = "key_states"  #: (judge keys,) → their states (JUDGING=fleet)
+    RESTORE = "restore"  #: (judge keys' states,): install them (JUDGING=fleet)
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
     DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order
@@ -82,6 +84,10 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.judge(args[0])
     if command is Command.JUDGE_FORWARDED:
         return measurer.judge_forwarded(args[0])
+    if command is Command.KEY_STATES:
+        return measurer.key_states(args[0])
+    if command is Command.RESTORE:
+        return measurer.restore(args[0])
     if command is Command.SET_CONTRACTS:
         return measurer.set_contracts(args[0])
     if command is Command.FORGET:

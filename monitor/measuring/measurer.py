@@ -257,6 +257,15 @@ class Measurer:
             out.append(verdict)
         return out
 
+    def key_states(self, keys: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The state of these judge keys (model, judged_by), as they stand now."""
+        return [self.detector.key_state(model, judged_by) for model, judged_by in keys]
+
+    def restore(self, states: list[dict[str, Any]]) -> None:
+        """Install judge keys' states written by another instance (their partition moved here)."""
+        for state in states:
+            self.detector.restore_key(state)
+
     def _decode(self, record: Record) -> Trace | Rejected:
         try:
             return decode(record.value or b"", keyring=self.keyring, scopes=self.scopes,

@@ -178,6 +178,14 @@ class Measuring:
         with everything else it is given; their verdicts."""
         return self._judge.command(Command.JUDGE_FORWARDED, (entries,))
 
+    def key_states(self, keys: list[tuple[str, str]]) -> Future[list[dict[str, Any]]]:
+        """The state of these judge keys once everything queued before is judged."""
+        return self._judge.command(Command.KEY_STATES, (keys,))
+
+    def restore(self, states: list[dict[str, Any]]) -> Future[None]:
+        """Install judge keys' states before anything queued after."""
+        return self._judge.command(Command.RESTORE, (states,))
+
     def sync_contracts(self, table: ContractTable) -> None:
         """Send the contract table to every observer if it changed since the last call
         (in order with the chunks: a chunk submitted later is decoded with it)."""

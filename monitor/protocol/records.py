@@ -27,6 +27,7 @@ class Output:
     key: bytes | None
     value: bytes
     source: Source  #: the record it came from
+    partition: int | None = None  #: where it must go (a judge's state: its observations' partition); None: by key
 
 
 @dataclass(frozen=True)

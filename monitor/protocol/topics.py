@@ -25,6 +25,9 @@ class Topics:
     #: internal: measured traces on their way to the instance that judges their stream
     #: (``JUDGING=fleet``; :mod:`monitor.protocol.observations`)
     observations: str = "attention-observations"
+    #: internal: the judges' state, so that it follows a moved observations partition
+    #: (compacted; partition *i* holds the state of the keys of observations partition *i*)
+    judge_state: str = "attention-judge-state"
 
 
 DEFAULT = Topics()
@@ -52,4 +55,6 @@ def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
         TopicSpec(topics.anomalies, partitions),
         TopicSpec(topics.dead_letter, max(1, partitions // 4)),
         TopicSpec(topics.observations, partitions),
+        TopicSpec(topics.judge_state, partitions, {"cleanup.policy": "compact",
+                                                    "max.message.bytes": str(TRACE_RECORD_BYTES)}),
     ]

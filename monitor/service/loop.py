@@ -38,11 +38,13 @@ from monitor.broker.connection import Connection
 from monitor.broker.group import GroupMember, client_versions
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
-from monitor.broker.tail import read_back
-from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed
+from monitor.broker.tail import read_back, read_range
+from monitor.core.detect import STATE_VERSION
+from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed, TraceRejected
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.tuning import YOUNG_THRESHOLD, collect_less, reuse_freed_memory
 from monitor.measuring.workers import Measuring
+from monitor.protocol import judge_state, observations
 from monitor.protocol.access import contract_verifier
 from monitor.protocol.codec import named_contract
 from monitor.protocol.decisions import ReferenceTable
@@ -141,7 +143,7 @@ class Service:
                 log.warning("%s", warning)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
                                 join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s,
-                                judging=s.judging, judged_by=self._judged_by)
+                                judging=s.judging, judged_by=self._judged_by, state_interval=s.state_save_interval_s)
             for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):
                 readers.append(TableReader(kafka, topic, table))
                 readers[-1].load(s.startup_timeout_s)
@@ -159,7 +161,8 @@ class Service:
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer, consumer = self._clients(kafka)
             consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
-                                   self.topics.dead_letter, *self._internal()])
+                                   self.topics.dead_letter, *self._internal(),
+                                   *([self.topics.judge_state] if s.judging == "fleet" else [])])
             consumer.subscribe()
             log.info("committing finished batches together at most every %d ms (COMMIT_INTERVAL_MS)",
                      s.commit_interval_ms)
@@ -317,6 +320,7 @@ class Service:
         change = self.assignment.assign(assigned, records)
         consumer.seek(change.resume)
         emitted: set[Source] = set()
+        committed: dict[tuple[str, int], int] = {}
         if change.new:
             committed = consumer.committed(change.new)
             written = read_back(self.settings.kafka_connection(),
@@ -330,7 +334,43 @@ class Service:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
         pipeline.reassign({tp: o for tp, o in self.assignment.positions.items() if tp in assigned},
                           {p for t, p in change.lost if t == self.topics.traces}, emitted)
+        for topic, partition in sorted(change.new):
+            if topic == self.topics.observations:
+                self._take_over(partition, committed[(topic, partition)], measuring, pipeline)
         return change.records
+
+    def _take_over(self, partition: int, committed: int, measuring: Measuring, pipeline: Pipeline) -> None:
+        """Make this instance the judge of an observations partition (JUDGING=fleet): the
+        latest round of its judges' state, then its observations from that round's offset
+        to the committed one judged again, silently (their outputs were written by the
+        instance that judged them first). Judge keys without state in the round start
+        afresh: they began after it."""
+        kafka = self.settings.kafka_connection()
+        written = read_range(kafka, self.topics.judge_state, partition, None, None)
+        try:
+            found = judge_state.latest_round((key, value) for _, key, value in written)
+        except TraceRejected as exc:
+            log.error("observations partition %d: its judges' state is unreadable (%s); they learn afresh from "
+                      "the committed offset %d", partition, exc.detail, committed)
+            found = (committed, [])
+        start, states = (None, []) if found is None else found
+        replayed, keys = [], {(s["model"], s["judged_by"]) for s in states}
+        for _, key, value in read_range(kafka, self.topics.observations, partition, start, committed):
+            try:
+                keys.add(observations.parse_key(key))
+                replayed += observations.decode(value)
+            except TraceRejected:
+                continue  # refused when it was first judged; nothing to rebuild from it
+        fresh = keys - {(s["model"], s["judged_by"]) for s in states}
+        empty = [{"version": STATE_VERSION, "model": m, "judged_by": r, "references": [], "layers": []}
+                 for m, r in sorted(fresh)]
+        measuring.restore([*states, *empty])
+        if replayed:
+            measuring.judge_forwarded(replayed)  # its verdicts were acted on when first judged
+        pipeline.restored(partition, keys, committed)
+        log.info("judging observations partition %d: %d judge keys' state from the round at offset %s, %d "
+                 "traces judged again up to the committed offset %d", partition, len(states),
+                 "-" if found is None else start, len(replayed), committed)
 
     def _maybe_save_state(self, measuring: Measuring) -> None:
         """Ask the measurer for its state every ``state_save_interval_s``; write it when

@@ -15,6 +15,7 @@ in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from monitor.core.metrics import HeadMetrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
 from monitor.measuring.workers import Measuring, results
-from monitor.protocol import observations
+from monitor.protocol import judge_state, observations
 from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
 from monitor.protocol.observations import Forwarded
@@ -88,6 +89,10 @@ class _Judging:
 
     entries: dict[Source, list[Forwarded] | TraceRejected]
     verdicts: Future[list[Verdict | Duplicate | Rejected]] | None
+    #: a round of the judges' state after this batch: their states, and per owned
+    #: observations partition the offset the round has taken in and the keys on it
+    states: Future[list[dict[str, Any]]] | None = None
+    rounds: dict[int, tuple[int, list[tuple[str, str]]]] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -104,6 +109,7 @@ class Pipeline:
         wall_clock: Callable[[], float] = time.time,
         judging: str = "instance",
         judged_by: Callable[[str, str], str] = lambda model, revision: revision,
+        state_interval: float = 30.0,
     ):
         """``judging`` is ``JUDGING``: with ``fleet``, measured traces leave, joined to their
         outcome, for the observations topic keyed by their stream's judge
@@ -112,6 +118,11 @@ class Pipeline:
         self.fleet = judging == "fleet"
         self.judged_by = judged_by
         self._forward: dict[bytes, list[Forwarded]] = {}  #: this batch's traces for their judges, by key
+        #: the owned observations partitions: the next offset after the batches queued, the
+        #: judge keys seen on each; a round of their state every ``state_interval`` seconds
+        self._queued: dict[int, int] = {}
+        self._keys_on: dict[int, set[tuple[str, str]]] = {}
+        self._state_interval, self._round_at = state_interval, -math.inf
         self.measuring = measuring
         self.metrics = metrics
         self.topics = topics or Topics()
@@ -133,6 +144,11 @@ class Pipeline:
         did not come within the TTL leave with ``missing``."""
         measuring = self.measuring.submit([r for r in records if r.topic == self.topics.traces])
         judging = self._judging([r for r in records if r.topic == self.topics.observations]) if self.fleet else None
+        if judging is not None and self._queued and self._clock() - self._round_at >= self._state_interval:
+            self._round_at = self._clock()
+            keys = sorted({k for p in self._queued for k in self._keys_on.get(p, ())})
+            judging = dataclasses.replace(judging, states=self.measuring.key_states(keys), rounds={
+                p: (offset, sorted(self._keys_on.get(p, ()))) for p, offset in self._queued.items()})
         return self._worker.submit(self._account, records, measuring, judging)
 
     def _judging(self, records: list[Record]) -> _Judging:
@@ -141,8 +157,9 @@ class Pipeline:
         entries: dict[Source, list[Forwarded] | TraceRejected] = {}
         queued: list[Forwarded] = []
         for record in records:
+            self._queued[record.partition] = record.offset + 1
             try:
-                observations.parse_key(record.key)
+                self._keys_on.setdefault(record.partition, set()).add(observations.parse_key(record.key))
                 read = observations.decode(record.value)
             except TraceRejected as exc:
                 entries[(record.topic, record.partition, record.offset)] = exc
@@ -181,7 +198,27 @@ class Pipeline:
         outputs += self._emit(self.join.expire(self._watermark()))
         outputs += self._incident_records(self.incidents.expire(self._clock()), None)
         outputs += self._forwarded()
+        if judging is not None and judging.states is not None:
+            outputs += self._state_round(judging)
         return Batch(outputs, dict(self._progress), self._committable(), taught)
+
+    def _state_round(self, judging: _Judging) -> list[Output]:
+        """A round of the judges' state for each owned observations partition, to the same
+        partition of the judge-state topic (``monitor.protocol.judge_state``)."""
+        assert judging.states is not None
+        states = {(s["model"], s["judged_by"]): s for s in judging.states.result()}
+        out = []
+        for partition, (offset, keys) in sorted(judging.rounds.items()):
+            source = (self.topics.observations, partition, offset)
+            out += [Output(self.topics.judge_state, key, value, source, partition)
+                    for key, value in judge_state.encode_round([states[k] for k in keys if k in states], offset)]
+        return out
+
+    def restored(self, partition: int, keys: Iterable[tuple[str, str]], committed: int) -> None:
+        """An observations partition moved here, its judge keys' state installed as of
+        ``committed`` (with no batch in flight)."""
+        self._keys_on.setdefault(partition, set()).update(keys)
+        self._queued[partition] = committed
 
     def _event_time(self, record: Record, stream: str) -> float:
         """The record's time (never later than now: a producer's clock may run ahead),
@@ -387,6 +424,8 @@ class Pipeline:
         the last commit and must be processed again); ``emitted`` are sources whose
         outputs are already written (found by reading the output topics back)."""
         self._progress = dict(positions)
+        self._queued = {p: o for (t, p), o in positions.items() if t == self.topics.observations}
+        self._keys_on = {p: keys for p, keys in self._keys_on.items() if p in self._queued}
         dropped = self.join.drop_partitions(lost)
         if dropped:
             log.info("dropped %d waiting traces of revoked partitions", len(dropped))

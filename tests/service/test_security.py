@@ -26,7 +26,7 @@ def test_missing_acls_end_the_monitor_with_a_clear_reason_and_granted_acls_let_i
     assert f"topic {topics.contracts} does not exist or this principal may not describe it" in \
         denied.process.log_path.read_text()
 
-    assert apply_acls(scram_broker.connection(), f"User:{user}", "monitor", topics, group) == 20
+    assert apply_acls(scram_broker.connection(), f"User:{user}", "monitor", topics, group) == 23
     allowed = Monitor(env, tmp_path / "allowed.log", "allowed")
     try:
         allowed.wait_ready(timeout=60)

@@ -1,0 +1,77 @@
+"""Records of the internal judge-state topic: the state of the judges of one
+observations partition, so that it follows the partition to another instance
+(``JUDGING=fleet``; the design: ``docs/architecture.md``).
+
+Every ``STATE_SAVE_INTERVAL_S`` the instance that owns observations partition *i* writes,
+in the transaction that commits its offsets, a *round* to partition *i* of this
+compacted topic: one record per judge key and layer (the key's references of that layer
+and the evidence and trace times of the layers it judges, from
+:meth:`~monitor.core.detect.Detector.key_state`), then a marker. Every record of a round
+carries the round's offset: the next observations offset its state has taken in. A new
+owner installs the records of the latest round and judges, silently, the observations
+from that offset to the committed one: the state the old owner committed, nothing lost
+and nothing counted twice. Records of earlier rounds (keys gone since) are ignored.
+
+Keys: ``model \\0 judged_by \\0 layer`` for a layer's state, ``\\0round`` for the marker.
+Values: JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from monitor.errors import RejectReason, TraceRejected
+
+__all__ = ["MARKER", "encode_round", "latest_round"]
+
+MARKER = b"\x00round"
+
+
+def encode_round(states: Iterable[Mapping[str, Any]], offset: int) -> list[tuple[bytes, bytes]]:
+    """(key, value) records of a round of ``states`` (each a ``key_state``) that has
+    taken in the observations below ``offset``; the marker last."""
+    out = []
+    for state in states:
+        layers: dict[int, dict[str, list[Any]]] = {}
+        for name in ("references", "layers"):
+            for item in state[name]:
+                layers.setdefault(int(item["key"][2]), {"references": [], "layers": []})[name].append(item)
+        for layer, parts in sorted(layers.items()):
+            key = f"{state['model']}\x00{state['judged_by']}\x00{layer}".encode()
+            doc = {"version": state["version"], "model": state["model"], "judged_by": state["judged_by"],
+                   "offset": offset, **parts}
+            out.append((key, json.dumps(doc, separators=(",", ":")).encode()))
+    out.append((MARKER, json.dumps({"offset": offset}).encode()))
+    return out
+
+
+def latest_round(records: Iterable[tuple[bytes | None, bytes | None]]) -> tuple[int, list[dict[str, Any]]] | None:
+    """The latest round among a partition's records, in offset order: its offset and the
+    judge keys' states (as :meth:`~monitor.core.detect.Detector.restore_key` takes them);
+    None when no round was written. :class:`TraceRejected` (``malformed``) for a record
+    that cannot be read."""
+    marker: int | None = None
+    latest: dict[bytes, dict[str, Any]] = {}
+    for key, value in records:
+        try:
+            doc = json.loads(value or b"")
+            if key == MARKER:
+                marker = int(doc["offset"])
+            elif key is not None:
+                latest[key] = doc
+        except (ValueError, TypeError, KeyError) as exc:
+            raise TraceRejected(RejectReason.MALFORMED, f"judge state record {key!r}: {exc}") from exc
+    if marker is None:
+        return None
+    states: dict[tuple[str, str], dict[str, Any]] = {}
+    for doc in latest.values():
+        if doc.get("offset") != marker:
+            continue  # an earlier round's: its key has no state in the latest one
+        pair = (str(doc["model"]), str(doc["judged_by"]))
+        state = states.setdefault(pair, {"version": doc["version"], "model": pair[0], "judged_by": pair[1],
+                                         "references": [], "layers": []})
+        state["references"] += doc["references"]
+        state["layers"] += doc["layers"]
+    return marker, list(states.values())
