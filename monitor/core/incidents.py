@@ -24,6 +24,7 @@ Families: ``diversity`` (``low_diversity``) and ``head`` (``entropy_collapse``,
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,36 @@ class IncidentTracker:
         if primary:
             incident.traces += 1
         return changes
+
+    def state(self, keys: Iterable[RevisionKey], now: float) -> list[dict[str, Any]]:
+        """The open incidents of these revisions as JSON-able values, their times as ages
+        (``now`` is this tracker's clock), for :meth:`restore` on another tracker."""
+        out = []
+        for key in sorted(set(keys) & self.open.keys()):
+            i = self.open[key]
+            out.append({"key": list(key), "layer": i.layer, "family": i.family, "open_for": now - i.opened_at,
+                        "quiet_for": now - i.last_at, "opened_wall": i.opened_wall, "anomalies": i.anomalies,
+                        "traces": i.traces, "kinds": dict(i.kinds), "heads": dict(i.heads),
+                        "side_effects": dict(i.side_effects), "strongest": i.strongest,
+                        "reference_revision": i.reference_revision,
+                        "also_changed": [{"layer": a.layer, "relation": a.relation, "findings": a.findings,
+                                          "paged": a.paged, "kinds": dict(a.kinds)}
+                                         for a in i.also_changed.values()]})
+        return out
+
+    def restore(self, docs: Iterable[dict[str, Any]], now: float) -> None:
+        """Take over open incidents from :meth:`state` (they stay open: the findings that
+        follow update them, not a new page)."""
+        for d in docs:
+            model, revision = d["key"]
+            key = (str(model), str(revision))
+            self.open[key] = Incident(
+                key, int(d["layer"]), str(d["family"]), now - float(d["open_for"]), now - float(d["quiet_for"]),
+                float(d["opened_wall"]), int(d["anomalies"]), int(d["traces"]), Counter(d["kinds"]),
+                Counter(d["heads"]), Counter(d["side_effects"]),
+                {int(a["layer"]): Annotation(int(a["layer"]), str(a["relation"]), int(a["findings"]),
+                                             bool(a["paged"]), Counter(a["kinds"])) for a in d["also_changed"]},
+                dict(d["strongest"]), str(d["reference_revision"]))
 
     def expire(self, now: float) -> list[Change]:
         """Close the incidents quiet for ``quiet`` seconds."""

@@ -29,9 +29,11 @@ __all__ = ["MARKER", "encode_round", "latest_round"]
 MARKER = b"\x00round"
 
 
-def encode_round(states: Iterable[Mapping[str, Any]], offset: int) -> list[tuple[bytes, bytes]]:
+def encode_round(states: Iterable[Mapping[str, Any]], offset: int,
+                 incidents: Iterable[Mapping[str, Any]] = ()) -> list[tuple[bytes, bytes]]:
     """(key, value) records of a round of ``states`` (each a ``key_state``) that has
-    taken in the observations below ``offset``; the marker last."""
+    taken in the observations below ``offset``; the marker last, with the open
+    ``incidents`` of the revisions those keys judge."""
     out = []
     for state in states:
         layers: dict[int, dict[str, list[Any]]] = {}
@@ -43,22 +45,24 @@ def encode_round(states: Iterable[Mapping[str, Any]], offset: int) -> list[tuple
             doc = {"version": state["version"], "model": state["model"], "judged_by": state["judged_by"],
                    "offset": offset, **parts}
             out.append((key, json.dumps(doc, separators=(",", ":")).encode()))
-    out.append((MARKER, json.dumps({"offset": offset}).encode()))
+    out.append((MARKER, json.dumps({"offset": offset, "incidents": list(incidents)}).encode()))
     return out
 
 
-def latest_round(records: Iterable[tuple[bytes | None, bytes | None]]) -> tuple[int, list[dict[str, Any]]] | None:
-    """The latest round among a partition's records, in offset order: its offset and the
-    judge keys' states (as :meth:`~monitor.core.detect.Detector.restore_key` takes them);
-    None when no round was written. :class:`TraceRejected` (``malformed``) for a record
-    that cannot be read."""
+def latest_round(records: Iterable[tuple[bytes | None, bytes | None]]
+                 ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The latest round among a partition's records, in offset order: its offset, the
+    judge keys' states (as :meth:`~monitor.core.detect.Detector.restore_key` takes them)
+    and the open incidents; None when no round was written. :class:`TraceRejected`
+    (``malformed``) for a record that cannot be read."""
     marker: int | None = None
+    incidents: list[dict[str, Any]] = []
     latest: dict[bytes, dict[str, Any]] = {}
     for key, value in records:
         try:
             doc = json.loads(value or b"")
             if key == MARKER:
-                marker = int(doc["offset"])
+                marker, incidents = int(doc["offset"]), list(doc.get("incidents", []))
             elif key is not None:
                 latest[key] = doc
         except (ValueError, TypeError, KeyError) as exc:
@@ -74,4 +78,4 @@ def latest_round(records: Iterable[tuple[bytes | None, bytes | None]]) -> tuple[
                                          "references": [], "layers": []})
         state["references"] += doc["references"]
         state["layers"] += doc["layers"]
-    return marker, list(states.values())
+    return marker, list(states.values()), incidents

@@ -352,8 +352,8 @@ class Service:
         except TraceRejected as exc:
             log.error("observations partition %d: its judges' state is unreadable (%s); they learn afresh from "
                       "the committed offset %d", partition, exc.detail, committed)
-            found = (committed, [])
-        start, states = (None, []) if found is None else found
+            found = (committed, [], [])
+        start, states, incidents = (None, [], []) if found is None else found
         replayed, keys = [], {(s["model"], s["judged_by"]) for s in states}
         for _, key, value in read_range(kafka, self.topics.observations, partition, start, committed):
             try:
@@ -365,12 +365,13 @@ class Service:
         empty = [{"version": STATE_VERSION, "model": m, "judged_by": r, "references": [], "layers": []}
                  for m, r in sorted(fresh)]
         measuring.restore([*states, *empty])
-        if replayed:
-            measuring.judge_forwarded(replayed)  # its verdicts were acted on when first judged
+        # judged again to rebuild the evidence; their records were written when first judged
+        verdicts = measuring.judge_forwarded(replayed).result() if replayed else []
+        pipeline.replayed(list(zip(replayed, verdicts, strict=True)), incidents)
         pipeline.restored(partition, keys, committed)
-        log.info("judging observations partition %d: %d judge keys' state from the round at offset %s, %d "
-                 "traces judged again up to the committed offset %d", partition, len(states),
-                 "-" if found is None else start, len(replayed), committed)
+        log.info("judging observations partition %d: %d judge keys' state and %d open incidents from the round at "
+                 "offset %s, %d traces judged again up to the committed offset %d", partition, len(states),
+                 len(incidents), "-" if found is None else start, len(replayed), committed)
 
     def _maybe_save_state(self, measuring: Measuring) -> None:
         """Ask the measurer for its state every ``state_save_interval_s``; write it when

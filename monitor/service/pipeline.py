@@ -210,9 +210,28 @@ class Pipeline:
         out = []
         for partition, (offset, keys) in sorted(judging.rounds.items()):
             source = (self.topics.observations, partition, offset)
-            out += [Output(self.topics.judge_state, key, value, source, partition)
-                    for key, value in judge_state.encode_round([states[k] for k in keys if k in states], offset)]
+            judged = set(keys)
+            revisions = [k for k in self.incidents.open if (k[0], self.judged_by(*k)) in judged]
+            records = judge_state.encode_round([states[k] for k in keys if k in states], offset,
+                                               self.incidents.state(revisions, self._clock()))
+            out += [Output(self.topics.judge_state, key, value, source, partition) for key, value in records]
         return out
+
+    def replayed(self, judged: list[tuple[Forwarded, Verdict | Duplicate | Rejected]],
+                 incidents: list[dict[str, Any]]) -> None:
+        """An observations partition moved here (with no batch in flight): the open
+        incidents of its latest round, then what its traces judged again since found,
+        taken into them silently (their records were written when first judged), so a
+        fault that goes on keeps its incident and pages no more."""
+        self.incidents.restore(incidents, self._clock())
+        for entry, verdict in judged:
+            if isinstance(verdict, Verdict) and verdict.anomalies:
+                ident, now = entry.identity, self._wall()
+                docs = [anomaly_record(ident.fields(), a, entry.outcome, now) for a in verdict.anomalies]
+                self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies, docs,
+                                       self._clock(), _opened_at(ident, now))
+        for incident in self.incidents.open.values():  # exported here now: its alert neither resolves nor pages again
+            self.metrics.layer(*incident.key, incident.layer).incident_open[incident.family].set(1)
 
     def restored(self, partition: int, keys: Iterable[tuple[str, str]], committed: int) -> None:
         """An observations partition moved here, its judge keys' state installed as of
@@ -392,7 +411,7 @@ class Pipeline:
             docs = [anomaly_record(ident.fields(), anomaly, entry.outcome, now, evidence, series.judged_outcomes)
                     for anomaly in verdict.anomalies]
             changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies,
-                                             docs, self._clock(), now)
+                                             docs, self._clock(), _opened_at(ident, now))
             outputs += self._incident_records(changes, record)
             outputs += [Output(self.topics.anomalies, ident.request_id.encode(),
                                json.dumps(doc, sort_keys=True).encode(), source) for doc in docs]
@@ -440,3 +459,10 @@ class Pipeline:
             return
         with self._emitted_lock:
             self._emitted = {s for s in self._emitted if s[2] >= offsets.get((s[0], s[1]), -1)}
+
+
+def _opened_at(identity: TraceIdentity, now: float) -> float:
+    """When an incident a trace opens was opened (JUDGING=fleet): the trace's own time
+    (never later than now), so that a judge that takes the stream over and judges the
+    trace again names the incident as the first judge did."""
+    return min(identity.trace_timestamp, now) if identity.trace_timestamp > 0 else now

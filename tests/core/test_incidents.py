@@ -4,6 +4,8 @@ involved; closed after quiet."""
 
 from __future__ import annotations
 
+import json
+
 from monitor.core.detect import Anomaly
 from monitor.core.incidents import IncidentTracker
 
@@ -82,3 +84,19 @@ def test_revisions_have_incidents_of_their_own_and_the_count_is_bounded():
     for revision in ("a", "b", "c"):
         tracker.observe("m", revision, 1, [anomaly("sink_shift", ["head-3"], pages=True)], [{}], 0.0, 0.0)
     assert set(tracker.open) == {("m", "a"), ("m", "b")}  # beyond the cap, findings stay evidence
+
+
+def test_an_incident_taken_over_by_another_tracker_stays_one_incident():
+    """JUDGING=fleet: the incident of a fault that goes on moves with its judge's
+    partition; the new tracker (another clock) updates it, pages nothing new, and closes
+    it after the same quiet period."""
+    tracker = IncidentTracker(quiet=600)
+    observe(tracker, [anomaly("low_diversity", ["head-1"], pages=True)], now=100)
+    observe(tracker, [anomaly("sink_shift", ["head-3"])], now=150, layer=3)  # an annotation
+    moved = IncidentTracker(quiet=600)
+    moved.restore(json.loads(json.dumps(tracker.state([("m", "r2"), ("m", "other")], now=160))), now=5_000)
+    (before,), (after,) = tracker.open.values(), moved.open.values()
+    assert after.summary() == before.summary()  # the same id, counts, annotation, strongest finding
+    assert observe(moved, [anomaly("low_diversity", ["head-1"], pages=True)], now=5_010) == []  # no new page
+    assert moved.open[("m", "r2")].anomalies == 2
+    assert moved.expire(now=5_609) == [] and [c.what for c in moved.expire(now=5_610)] == ["closed"]

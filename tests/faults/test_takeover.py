@@ -59,7 +59,7 @@ def requests_found(got: dict[str, list[dict]], topic: str) -> set[str]:
     return {str(d.get("request_id")) for d in got[topic] if d.get("schema") == "attention-anomaly/1"}
 
 
-def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tuple], str]:
+def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tuple], list[str], str]:
     topics = make_topics(make_topic, partitions=1)
     admin = KafkaAdminClient(**kafka_broker.client_config())
     try:  # traces and outcomes on one partition; the judges' topics on two
@@ -91,18 +91,24 @@ def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tupl
         send(kafka_broker.bootstrap, topics, HEALTHY, 0, 30, rng)
         wait_for(lambda: all(sum(m.value(r) for m in monitors) == 1 for r in READY), timeout=120,
                  what="rev-1's references ready")
-        send(kafka_broker.bootstrap, topics, CANARY, 0, 5, rng)
-        reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(5)},
-                    timeout=120, what="the canary's first five requests found")
+        send(kafka_broker.bootstrap, topics, CANARY, 0, 10, rng)
+        reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(10)}
+                    and any(d.get("change") == "opened" for d in got[topics.anomalies]),
+                    timeout=120, what="the canary's first ten requests found, its incident opened")
         survivor = monitors[0]
         if kill:
             judge, survivor = sorted(monitors, key=lambda m: -m.value("attention_monitor_observations_judged_total"))
             judge.process.kill()
-        send(kafka_broker.bootstrap, topics, CANARY, 5, 5, rng)
-        reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(10)},
-                    timeout=180, what="the canary's last five requests found")
+        send(kafka_broker.bootstrap, topics, CANARY, 10, 10, rng)
+        reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(20)},
+                    timeout=180, what="the canary's last ten requests found")
         reader.settle(quiet=5.0)  # a record written twice would come now
-        return findings(reader.records[topics.anomalies]), survivor.process.log_path.read_text()
+        # the fault's incident is open where it is judged now: its alert neither resolves nor pages again
+        assert survivor.value(series("attention_incident_open", family="head", layer=2, model="scenario-lm",
+                                     revision="rev-2")) == 1
+        opened = [d["incident_id"] for d in reader.records[topics.anomalies]
+                  if d.get("schema") == "attention-incident/1" and d.get("change") == "opened"]
+        return findings(reader.records[topics.anomalies]), opened, survivor.process.log_path.read_text()
     finally:
         reader.close()
         for m in monitors:
@@ -110,9 +116,10 @@ def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tupl
 
 
 def test_kill_9_of_the_judge_mid_canary_loses_and_doubles_no_anomaly_record(kafka_broker, make_topic, tmp_path):
-    undisturbed, _ = run(kafka_broker, make_topic, tmp_path / "undisturbed", kill=False)
-    killed, log = run(kafka_broker, make_topic, tmp_path / "killed", kill=True)
-    assert undisturbed and {f[0] for f in undisturbed} == {f"rev-2-{i}" for i in range(10)}
+    undisturbed, opened_once, _ = run(kafka_broker, make_topic, tmp_path / "undisturbed", kill=False)
+    killed, opened, log = run(kafka_broker, make_topic, tmp_path / "killed", kill=True)
+    assert undisturbed and {f[0] for f in undisturbed} == {f"rev-2-{i}" for i in range(20)}
     assert not [f for f, n in Counter(killed).items() if n > 1]  # nothing written twice
     assert killed == undisturbed  # nothing lost, nothing different: the same evidence, restored
-    assert "judge keys' state from the round at offset" in log and "traces judged again" in log
+    assert "judge keys' state and" in log and "traces judged again" in log
+    assert len(opened_once) == 1 and len(opened) == 1, (opened_once, opened)  # the fault's one incident, kept

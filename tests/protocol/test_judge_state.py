@@ -31,8 +31,8 @@ def test_the_latest_round_gives_back_the_states_that_went_in():
     assert records[-1][0] == MARKER
     assert all(len(value) < 1_000_000 for _, value in records)  # within a broker's default record size
 
-    offset, back = latest_round(records)
-    assert offset == 57
+    offset, back, incidents = latest_round(records)
+    assert offset == 57 and incidents == []
     assert {s["judged_by"] for s in back} == {"r1", "r3"}  # r-gone was in the round at 40 only
     restored = Detector(DetectorConfig(reference_traces=5))
     for state in back:
@@ -45,7 +45,7 @@ def test_the_latest_round_gives_back_the_states_that_went_in():
 
 def test_no_round_and_a_broken_record():
     assert latest_round([]) is None
-    assert latest_round(encode_round([], 9)) == (9, [])
+    assert latest_round(encode_round([], 9, [{"key": ["m", "r"]}])) == (9, [], [{"key": ["m", "r"]}])
     with pytest.raises(TraceRejected, match="judge state record") as refused:
         latest_round([(b"m\x00r\x000", b"{not json"), (MARKER, b'{"offset": 3}')])
     assert refused.value.reason is RejectReason.MALFORMED
