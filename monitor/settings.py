@@ -88,14 +88,16 @@ class Settings(BaseSettings):
     judging: Literal["instance", "fleet"] = Field("instance", description="instance: each instance judges the "
                                                   "traces of its partitions; fleet: each stream is judged by one "
                                                   "instance, wherever it was measured (needs the observations "
-                                                  "topic; not yet restored on takeover, docs/scaling.md)")
+                                                  "and judge-state topics; docs/scaling.md)")
     incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
                                     "anomaly of its family on its layer")
     join_ttl_s: float = Field(30.0, gt=0)
     join_max_entries: int = Field(200_000, gt=0)
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
-    state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved (0: every batch)")
+    state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved, and with "
+                                         "JUDGING=fleet the judges' state written to the judge-state topic (0: "
+                                         "every batch)")
     reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
                                                        "fault in fresh pages; resident memory stays at its peak")
     measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, verify "

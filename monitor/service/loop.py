@@ -153,9 +153,9 @@ class Service:
             self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
             self._follow_pins()
             if s.judging == "fleet":
-                log.warning("JUDGING=fleet: each stream is judged by the instance that owns its key on %s; a "
-                            "judge's references and evidence do not yet follow its partition to another "
-                            "instance (docs/scaling.md)", self.topics.observations)
+                log.info("JUDGING=fleet: each stream is judged by the instance that owns its key on %s, its state "
+                         "kept on %s every %.0f s (STATE_SAVE_INTERVAL_S)", self.topics.observations,
+                         self.topics.judge_state, s.state_save_interval_s)
             frozen = collect_less()
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
