@@ -63,7 +63,7 @@ class Command(Enum):
 
     OBSERVE = "observe"  #: (chunk,) → observed (decoded, verified, measured; not judged)
     JUDGE = "judge"  #: (observed,) → results
-    JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries,) → verdicts (JUDGING=fleet)
+    JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries, again) → verdicts (JUDGING=fleet)
     KEY_STATES = "key_states"  #: (judge keys,) → their states (JUDGING=fleet)
     RESTORE = "restore"  #: (judge keys' states,): install them (JUDGING=fleet)
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
@@ -83,7 +83,7 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
     if command is Command.JUDGE:
         return measurer.judge(args[0])
     if command is Command.JUDGE_FORWARDED:
-        return measurer.judge_forwarded(args[0])
+        return measurer.judge_forwarded(*args)
     if command is Command.KEY_STATES:
         return measurer.key_states(args[0])
     if command is Command.RESTORE:

@@ -228,11 +228,14 @@ class Measurer:
                                 item.seconds + time.perf_counter() - started, verdict))
         return out
 
-    def judge_forwarded(self, entries: list[Forwarded]) -> list[Verdict | Duplicate | Rejected]:
+    def judge_forwarded(self, entries: list[Forwarded], again: bool = False) -> list[Verdict | Duplicate | Rejected]:
         """Judge traces measured elsewhere (``JUDGING=fleet``), in the order given, as
         :meth:`judge` judges those measured here; a trace judged before is a
-        :class:`Duplicate` (the judge's own window, apart from the measuring side's)."""
-        fresh = [e for e in entries if self.recent.add(("judged", e.identity.trace_id))]
+        :class:`Duplicate` (the judge's own window, apart from the measuring side's).
+        ``again``: a partition's traces judged again to rebuild its judges' state after
+        it moved here; every one is judged (this instance may have judged them before it
+        lost the partition) and remembered."""
+        fresh = [e for e in entries if self.recent.add(("judged", e.identity.trace_id)) or again]
         observations = [e.observation() for e in fresh]
         try:
             worked_out: list[Ahead | None] = list(self.detector.ahead(observations))

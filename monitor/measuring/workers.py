@@ -173,10 +173,12 @@ class Measuring:
         """Queue trace records; their results, chunk by chunk, in order."""
         return [self._judge.judge(self.observers.observe(chunk, size)) for chunk, size in chunks(records)]
 
-    def judge_forwarded(self, entries: list[Forwarded]) -> Future[list[Verdict | Duplicate | Rejected]]:
+    def judge_forwarded(self, entries: list[Forwarded], again: bool = False
+                        ) -> Future[list[Verdict | Duplicate | Rejected]]:
         """Queue traces measured elsewhere for the judge (``JUDGING=fleet``), in order
-        with everything else it is given; their verdicts."""
-        return self._judge.command(Command.JUDGE_FORWARDED, (entries,))
+        with everything else it is given; their verdicts (``again``: see
+        :meth:`Measurer.judge_forwarded`)."""
+        return self._judge.command(Command.JUDGE_FORWARDED, (entries, again))
 
     def key_states(self, keys: list[tuple[str, str]]) -> Future[list[dict[str, Any]]]:
         """The state of these judge keys once everything queued before is judged."""

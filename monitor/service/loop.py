@@ -366,7 +366,7 @@ class Service:
                  for m, r in sorted(fresh)]
         measuring.restore([*states, *empty])
         # judged again to rebuild the evidence; their records were written when first judged
-        verdicts = measuring.judge_forwarded(replayed).result() if replayed else []
+        verdicts = measuring.judge_forwarded(replayed, again=True).result() if replayed else []
         pipeline.replayed(list(zip(replayed, verdicts, strict=True)), incidents)
         pipeline.restored(partition, keys, committed)
         log.info("judging observations partition %d: %d judge keys' state and %d open incidents from the round at "

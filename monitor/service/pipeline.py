@@ -404,7 +404,7 @@ class Pipeline:
             for anomaly in verdict.anomalies:
                 series.observe_anomaly(anomaly.kind)
             series.observe_judged_outcome(entry.outcome, (a.kind for a in verdict.anomalies))
-            if not verdict.anomalies or written:
+            if not verdict.anomalies:
                 continue
             now = self._wall()
             evidence = evidence_fields(verdict.evidence)
@@ -412,9 +412,11 @@ class Pipeline:
                     for anomaly in verdict.anomalies]
             changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies,
                                              docs, self._clock(), _opened_at(ident, now))
-            outputs += self._incident_records(changes, record)
-            outputs += [Output(self.topics.anomalies, ident.request_id.encode(),
-                               json.dumps(doc, sort_keys=True).encode(), source) for doc in docs]
+            incident_records = self._incident_records(changes, record)
+            if not written:  # else written before a restart: the incidents take them in, nothing is sent again
+                outputs += incident_records + [Output(self.topics.anomalies, ident.request_id.encode(),
+                                                      json.dumps(doc, sort_keys=True).encode(), source)
+                                               for doc in docs]
         return outputs
 
     def _sync_join_gauges(self) -> None:
