@@ -358,7 +358,8 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
            "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_JUDGING": judging,
-           "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": "b-observations"}
+           "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": "b-observations",
+           "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": "b-judge-state"}
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -445,7 +446,7 @@ def main() -> None:
         bootstrap = broker.bootstrap
         admin = KafkaAdminClient(bootstrap_servers=bootstrap)
         topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1,
-                  "observations": 4}
+                  "observations": 4, "judge-state": 4}
         admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
                             wait_for_metadata=True)
         admin.close()

@@ -40,6 +40,7 @@ from monitor.broker.connection import Connection
 from monitor.broker.errors import from_kafka_python
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Output
+from monitor.protocol.topics import TRACE_RECORD_BYTES
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
@@ -71,6 +72,8 @@ class OutputProducer:
             self._producer = KafkaProducer(
                 acks="all", enable_idempotence=True, transactional_id=transactional_id, linger_ms=5,
                 retry_backoff_ms=20,
+                # a judge's state may exceed the 1 MiB default (its topic allows it: monitor.protocol.topics)
+                max_request_size=TRACE_RECORD_BYTES,
                 delivery_timeout_ms=delivery_timeout_ms, request_timeout_ms=min(30_000, delivery_timeout_ms // 2),
                 transaction_timeout_ms=max(60_000, 2 * delivery_timeout_ms), **connection.kafka_python())
             self._producer.init_transactions()

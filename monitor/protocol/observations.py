@@ -2,10 +2,11 @@
 on their way from the instance that measured them to the one that judges their stream
 (the design: ``docs/architecture.md``, "Judging each stream in one place").
 
-One record holds one judge key's observations of one transaction, in the order they
-were measured: kafka-python's transactional producer costs per record, not per byte, so
-a record per trace would cost the measuring instance several times what one per key and
-transaction does (``docs/performance.md``, 2026-12-03). Never weights.
+One record holds one judge key's observations of one transaction (as many records as
+keep each within ``RECORD_BYTES``), in the order they were measured: kafka-python's
+transactional producer costs per record, not per byte, so a record per trace would cost
+the measuring instance several times what one per key and transaction does
+(``docs/performance.md``, 2026-12-03). Never weights.
 
 Key
     ``model_id``, a NUL byte, and the revision whose reference judges the traces (the
@@ -43,10 +44,14 @@ from monitor.errors import RejectReason, TraceRejected
 from monitor.protocol.records import TraceIdentity
 from monitor.protocol.schema import OUTCOMES
 
-__all__ = ["MAGIC", "VERSION", "Forwarded", "decode", "encode", "judge_key", "parse_key"]
+__all__ = ["MAGIC", "RECORD_BYTES", "VERSION", "Forwarded", "decode", "encode", "encode_within", "judge_key",
+           "parse_key"]
 
 MAGIC = b"AMOB"
 VERSION = 1
+#: a record's value at most (the broker's default record limit is 1 MiB): a key's traces
+#: of one transaction take as many records as they need
+RECORD_BYTES = 512 * 1024
 _PREFIX = struct.Struct(">4sBI")
 #: per-head metrics in their order on the wire, then similarity, diversity, effective heads
 _PER_HEAD = ("entropy", "concentration", "sink_share", "prompt_mass", "learned_sink")
@@ -86,16 +91,39 @@ def parse_key(key: bytes | None) -> tuple[str, str]:
 
 def encode(entries: Sequence[Forwarded]) -> bytes:
     """One record's value: ``entries`` in order (they may differ in head count)."""
-    header = {"entries": [{**e.identity.fields(), "heads": list(e.heads), "outcome": e.outcome} for e in entries]}
-    blocks = []
+    (value,) = encode_within(entries, limit=None)
+    return value
+
+
+def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES) -> list[bytes]:
+    """``entries`` in order as few record values as hold them within ``limit`` bytes
+    each (one entry alone may exceed it: it still gets a record)."""
+    out: list[bytes] = []
+    heads: list[dict[str, Any]] = []
+    blocks: list[bytes] = []
+    size = _PREFIX.size + len(b'{"entries":[]}')
     for e in entries:
         h = len(e.heads)
         m = e.metrics
         values = [_vector(getattr(m, name), h, name) for name in _PER_HEAD]
         values.append(np.asarray(m.similarity, np.float64).reshape(h * h))
         values.append(np.array([float(m.diversity), float(m.effective_heads)]))
-        blocks.append(np.concatenate(values).astype("<f8").tobytes())
-    text = json.dumps(header, separators=(",", ":")).encode()
+        block = np.concatenate(values).astype("<f8").tobytes()
+        head = {**e.identity.fields(), "heads": list(e.heads), "outcome": e.outcome}
+        more = len(block) + len(json.dumps(head, separators=(",", ":"))) + 1
+        if limit is not None and heads and size + more > limit:
+            out.append(_value(heads, blocks))
+            heads, blocks, size = [], [], _PREFIX.size + len(b'{"entries":[]}')
+        heads.append(head)
+        blocks.append(block)
+        size += more
+    if heads or not out:
+        out.append(_value(heads, blocks))
+    return out
+
+
+def _value(heads: list[dict[str, Any]], blocks: list[bytes]) -> bytes:
+    text = json.dumps({"entries": heads}, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, len(text)) + text + b"".join(blocks)
 
 

@@ -374,8 +374,8 @@ class Pipeline:
     def _forwarded(self) -> list[Output]:
         """The batch's joined traces for their judges: one record per judge key, its
         traces in the order they were joined (``monitor.protocol.observations``)."""
-        out = [Output(self.topics.observations, key, observations.encode(entries), entries[0].identity.source)
-               for key, entries in self._forward.items()]
+        out = [Output(self.topics.observations, key, value, entries[0].identity.source)
+               for key, entries in self._forward.items() for value in observations.encode_within(entries)]
         self._forward = {}
         return out
 

@@ -16,7 +16,7 @@ from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Measurer, Observed
 from monitor.protocol.codec import encode as encode_trace
 from monitor.protocol.model_contract import ContractTable
-from monitor.protocol.observations import Forwarded, decode, encode, judge_key, parse_key
+from monitor.protocol.observations import Forwarded, decode, encode, encode_within, judge_key, parse_key
 from monitor.protocol.records import Record
 from monitor.tools.scenario import Fault, Scenario
 from tests.factories import KEY_ID, KEYRING, SCOPES, SECRET
@@ -108,3 +108,12 @@ def _with_header(value: bytes, header: dict) -> bytes:
     (size,) = struct.unpack_from(">I", value, 5)
     text = json.dumps(header).encode()
     return value[:5] + struct.pack(">I", len(text)) + text + value[9 + size:]
+
+
+def test_a_keys_traces_take_as_many_records_as_keep_each_within_the_limit():
+    entries = forwarded(measured(HEALTHY, 40, seed=4))  # 160 traces of 8 heads, about 1.3 KB each
+    values = encode_within(entries, limit=16 * 1024)
+    assert len(values) > 1 and all(len(v) <= 16 * 1024 for v in values)
+    back = [e for v in values for e in decode(v)]
+    assert [(e.identity.trace_id, e.outcome) for e in back] == [(e.identity.trace_id, e.outcome) for e in entries]
+    assert len(encode_within(entries[:1], limit=10)) == 1  # one trace beyond the limit still travels
