@@ -31,6 +31,7 @@ from kafka.errors import (
     CommitFailedError,
     IllegalGenerationError,
     KafkaError,
+    MessageSizeTooLargeError,
     ProducerFencedError,
     RebalanceInProgressError,
     UnknownMemberIdError,
@@ -129,6 +130,13 @@ class OutputProducer:
         except REASSIGNED as exc:
             self._abort("group_moved", type(exc).__name__)
             raise GroupMovedOn(type(exc).__name__) from exc
+        except MessageSizeTooLargeError as exc:  # sent again, it would be refused again: say so and stop
+            self._abort("aborted", type(exc).__name__)
+            sizes = ", ".join(f"{out.topic} {len(out.value):,} bytes" for out in sorted(
+                outputs, key=lambda o: -len(o.value))[:3])
+            raise InfrastructureError(f"an output record is larger than the producer or its topic takes ({exc}); "
+                                      f"the largest: {sizes}. Create the topics with `attention-monitor topics "
+                                      "create` (docs/scaling.md)", retriable=False) from exc
         except KafkaError as exc:
             self._abort("aborted", type(exc).__name__)
             raise InfrastructureError(f"writing outputs failed, transaction aborted: {type(exc).__name__}: {exc}",
