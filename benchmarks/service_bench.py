@@ -358,8 +358,13 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
            "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_JUDGING": judging,
-           "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": "b-observations",
-           "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": "b-judge-state"}
+           "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": f"b-observations-{group}",
+           "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": f"b-judge-state-{group}"}
+    if judging == "fleet":  # each run's own: a run must not judge the one before's observations
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        admin.create_topics({f"b-{t}-{group}": {"num_partitions": 4, "replication_factor": 1}
+                             for t in ("observations", "judge-state")}, wait_for_metadata=True)
+        admin.close()
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -445,8 +450,7 @@ def main() -> None:
     try:
         bootstrap = broker.bootstrap
         admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1,
-                  "observations": 4, "judge-state": 4}
+        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1}
         admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
                             wait_for_metadata=True)
         admin.close()
