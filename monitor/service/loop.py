@@ -88,6 +88,8 @@ class Service:
         self.references = ReferenceTable()
         self.pins = PinCheck({})  #: with the settings' pins, once they are read (run)
         self._pins_in_force: dict[tuple[str, str], str] = {}
+        self._partitions: dict[str, int] = {}  #: partition counts of the topics checked at start
+        self._warned_shared = False
         self._pins_version = -1
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
@@ -160,7 +162,7 @@ class Service:
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer, consumer = self._clients(kafka)
-            consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
+            self._partitions = consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
                                    self.topics.dead_letter, *self._internal(),
                                    *([self.topics.judge_state] if s.judging == "fleet" else [])])
             consumer.subscribe()
@@ -242,6 +244,7 @@ class Service:
                 if assigned:
                     records = self._reassign(consumer, pipeline, measuring, assigned, records)
                     self.health.assigned()
+                    self._warn_if_shared()
             running.append(pipeline.process(records))
             self.metrics.polled.inc(len(records))
             if len(running) > s.batches_in_flight or running[0].done():
@@ -263,6 +266,20 @@ class Service:
             self._maybe_save_state(measuring)
         _complete(delivery, [*finished, *running])
         log.info("stop requested: last batch committed")
+
+    def _warn_if_shared(self) -> None:
+        """Once: with JUDGING=instance and other instances in the group, each judges only
+        its share of every stream (a canary needs that many times the traffic to be judged)."""
+        if self.settings.judging != "instance" or self._warned_shared:
+            return
+        owned = sum(1 for t, _ in self.assignment.owned if t == self.topics.traces)
+        total = self._partitions.get(self.topics.traces, 0)
+        if 0 < owned < total:
+            self._warned_shared = True
+            log.warning("this instance measures %d of the %d trace partitions: with JUDGING=instance it learns "
+                        "references and gathers evidence from that share only, so every instance needs a "
+                        "reference's worth of a revision's traffic before judging it; set JUDGING=fleet on every "
+                        "instance to judge each stream in one place (docs/scaling.md)", owned, total)
 
     def _internal(self) -> list[str]:
         """The topics between this instance's two steps (JUDGING=fleet): read and written."""

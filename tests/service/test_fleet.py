@@ -103,7 +103,8 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
         return {"counts": counts, "first": min(int(str(d["request_id"]).rpartition("-")[2]) for d in findings),
                 "outcomes": {d["outcome"] for d in findings}, "layers": {d["layer"] for d in findings},
                 "kinds": sorted({str(d["kind"]) for d in findings}),
-                "measured": measured, "judged": judged, "status": rows}
+                "measured": measured, "judged": judged, "status": rows,
+                "told": any("with JUDGING=instance" in m.process.log_path.read_text() for m in monitors)}
     finally:
         for m in monitors:
             m.process.stop()
@@ -125,3 +126,25 @@ def test_three_instances_find_the_canary_as_one_instance_does(kafka_broker, make
     assert "entropy_collapse" in one["kinds"] and "entropy_collapse" in three["kinds"], (one, three)
     assert sum(v > 0 for v in three["measured"]) >= 2, three["measured"]  # measured on several instances...
     assert sum(v > 0 for v in three["judged"]) == 1, three["judged"]  # ...and judged on one
+    assert not three["told"]  # a fleet is not told to become one
+
+
+def test_instances_sharing_a_group_with_judging_instance_are_told_to_judge_as_a_fleet(
+        kafka_broker, make_topic, tmp_path):
+    """The default judges per instance: one that shares the trace partitions says what
+    that costs and which setting removes it."""
+    topics = make_topics(make_topic, partitions=2)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract()])
+    monitors = []
+    for i in range(2):
+        (tmp_path / f"m{i}").mkdir()
+        env = monitor_env(kafka_broker.bootstrap, topics, f"shared-{tmp_path.name}", tmp_path / f"m{i}",
+                          measure_processes=0, client_id=f"shared-{i}")
+        monitors.append(Monitor(env, tmp_path / f"m{i}.log", name=f"monitor-{i}"))
+    try:
+        told = "measures 1 of the 2 trace partitions: with JUDGING=instance"
+        wait_for(lambda: all(told in m.process.log_path.read_text() for m in monitors), timeout=90,
+                 what="both instances told they judge a share")
+    finally:
+        for m in monitors:
+            m.process.stop()
