@@ -17,16 +17,14 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewPartitions
 
 from devstack.wait import wait_for
-from monitor.producer import TraceProducer
 from monitor.tools.scenario import Fault, Scenario
 from tests.service.harness import (
-    KEY_ID,
-    SECRET,
     Monitor,
     OutputReader,
     make_topics,
     monitor_env,
     publish_contracts,
+    send_requests,
     series,
 )
 
@@ -38,13 +36,10 @@ READY = [series("attention_reference_ready", layer=layer, model="scenario-lm", r
          for layer in range(HEALTHY.layers)]
 
 
-def send(bootstrap: str, topics, scenario: Scenario, first: int, requests: int, rng: np.random.Generator) -> None:
-    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
-        for i in range(first, first + requests):
-            request_id = f"{scenario.revision}-{i}"
-            for header, weights in scenario.request(rng, request_id, timestamp=1_000_000.0 + i):
-                producer.send(header, weights)
-            producer.send_outcome(request_id, "failure" if scenario.faults else "success")
+def send(bootstrap: str, topics, scenario: Scenario, rng: np.random.Generator, requests: range) -> None:
+    """The same requests at the same times in both runs."""
+    send_requests(bootstrap, topics, scenario, rng, requests, lambda i: "failure" if scenario.faults else "success",
+                  timestamp=lambda i: 1_000_000.0 + i)
 
 
 def findings(records: list[dict]) -> list[tuple]:
@@ -88,10 +83,10 @@ def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tupl
                          and len(d["members"]) == 2, timeout=90, what="both instances in the group")
             finally:
                 admin.close()
-        send(kafka_broker.bootstrap, topics, HEALTHY, 0, 30, rng)
+        send(kafka_broker.bootstrap, topics, HEALTHY, rng, range(30))
         wait_for(lambda: all(sum(m.value(r) for m in monitors) == 1 for r in READY), timeout=120,
                  what="rev-1's references ready")
-        send(kafka_broker.bootstrap, topics, CANARY, 0, 10, rng)
+        send(kafka_broker.bootstrap, topics, CANARY, rng, range(10))
         reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(10)}
                     and any(d.get("change") == "opened" for d in got[topics.anomalies]),
                     timeout=120, what="the canary's first ten requests found, its incident opened")
@@ -99,7 +94,7 @@ def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tupl
         if kill:
             judge, survivor = sorted(monitors, key=lambda m: -m.value("attention_monitor_observations_judged_total"))
             judge.process.kill()
-        send(kafka_broker.bootstrap, topics, CANARY, 10, 10, rng)
+        send(kafka_broker.bootstrap, topics, CANARY, rng, range(10, 20))
         reader.wait(lambda got: requests_found(got, topics.anomalies) >= {f"rev-2-{i}" for i in range(20)},
                     timeout=180, what="the canary's last ten requests found")
         reader.settle(quiet=5.0)  # a record written twice would come now

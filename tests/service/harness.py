@@ -8,10 +8,11 @@ import json
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,6 +149,20 @@ def send_traces(bootstrap: str, topic: str, traces: Iterable[tuple[Any, Any]], p
                        bootstrap_servers=bootstrap) as producer:
         for header, weights in traces:
             producer.send(header, weights)
+
+
+def send_requests(bootstrap: str, topics: Topics, scenario: Any, rng: np.random.Generator, requests: range,
+                  outcome: Callable[[int], str], timestamp: Callable[[int], float] | None = None) -> None:
+    """A scenario's requests as a model server sends them: each request's traces (one a
+    layer, request id ``<revision>-<i>``) and then its outcome (``outcome(i)``)."""
+    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
+        for i in requests:
+            request_id = f"{scenario.revision}-{i}"
+            at = time.time() if timestamp is None else timestamp(i)
+            for header, weights in scenario.request(rng, request_id, timestamp=at):
+                producer.send(header, weights)
+            producer.send_outcome(request_id, outcome(i))
+        producer.flush()
 
 
 def send_raw(bootstrap: str, topic: str, records: Iterable[tuple[bytes, bytes]]) -> None:

@@ -8,7 +8,6 @@ found). Here the same traffic reaches one judge, wherever it was measured."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,16 +15,14 @@ import pytest
 from kafka import KafkaAdminClient
 
 from devstack.wait import wait_for
-from monitor.producer import TraceProducer
 from monitor.tools.scenario import Fault, Scenario
 from tests.service.harness import (
-    KEY_ID,
-    SECRET,
     Monitor,
     OutputReader,
     make_topics,
     monitor_env,
     publish_contracts,
+    send_requests,
     series,
 )
 from tests.service.test_references import cli
@@ -36,17 +33,6 @@ HEALTHY = Scenario(revision="rev-1")
 CANARY = Scenario(revision="rev-2", faults=(Fault("collapse", 2, (1, 2, 3, 4)),))
 REFERENCE_TRACES = 30  #: the harness's: one reference a layer from 30 healthy requests
 PARTITIONS = 3
-
-
-def send(bootstrap: str, topics, scenario: Scenario, requests: int, seed: int) -> None:
-    """Each request's traces (one a layer) and its outcome, as a model server sends them."""
-    rng = np.random.default_rng(seed)
-    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
-        for i in range(requests):
-            request_id = f"{scenario.revision}-{i}"
-            for header, weights in scenario.request(rng, request_id, timestamp=time.time()):
-                producer.send(header, weights)
-            producer.send_outcome(request_id, "failure" if scenario.faults else "success")
 
 
 def total(monitors: list[Monitor], name: str) -> float:
@@ -77,7 +63,8 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
         finally:
             admin.close()
 
-        send(kafka_broker.bootstrap, topics, HEALTHY, REFERENCE_TRACES, seed=1)
+        send_requests(kafka_broker.bootstrap, topics, HEALTHY, np.random.default_rng(1), range(REFERENCE_TRACES),
+                      lambda i: "success")
         ready = [series("attention_reference_ready", layer=layer, model="scenario-lm", revision="rev-1")
                  for layer in range(HEALTHY.layers)]
         wait_for(lambda: all(total(monitors, r) == 1 for r in ready), timeout=120,
@@ -85,7 +72,7 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
         counts = [max(m.value(r.replace("reference_ready", "reference_traces")) for m in monitors) for r in ready]
 
         reader = OutputReader(kafka_broker.bootstrap, topics.anomalies)
-        send(kafka_broker.bootstrap, topics, CANARY, 10, seed=2)
+        send_requests(kafka_broker.bootstrap, topics, CANARY, np.random.default_rng(2), range(10), lambda i: "failure")
         def canary(got: dict[str, list[dict[str, object]]]) -> list[dict[str, object]]:
             return [d for d in got[topics.anomalies] if d.get("schema") == "attention-anomaly/1"]
 

@@ -14,26 +14,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from monitor.producer import TraceProducer
-from tests.factories import KEY_ID, SECRET
-from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts, series
+from tests.service.harness import Monitor, make_topics, monitor_env, publish_contracts, send_requests, series
 from tests.triage.cases import COLLAPSED, COLLAPSED_HEADS, HEALTHY
 
 pytestmark = [pytest.mark.kafka, pytest.mark.browser]
 USER, PASSWORD = "oncall", "triage-password"
-
-
-def send(bootstrap: str, topics, scenario, requests: int, seed: int, fail_every: int) -> None:
-    import time
-
-    rng = np.random.default_rng(seed)
-    with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=bootstrap) as producer:
-        for i in range(requests):
-            request_id = f"{scenario.revision}-{i}"
-            for header, weights in scenario.request(rng, request_id, timestamp=time.time()):
-                producer.send(header, weights)
-            producer.send_outcome(request_id, "failure" if i % fail_every == 0 else "success")
-        producer.flush()
 
 
 def open_page(browser, url: str, screenshot, **context_options):
@@ -63,11 +48,13 @@ def test_an_incident_page_of_a_real_run_opens_offline_in_chromium(kafka_broker, 
     monitor = Monitor(env, tmp_path / "monitor.log")
     try:
         monitor.wait_ready()
-        send(kafka_broker.bootstrap, topics, HEALTHY, 210, seed=1, fail_every=10)  # the reference: 200 a layer
+        send_requests(kafka_broker.bootstrap, topics, HEALTHY, np.random.default_rng(1), range(210),
+                      lambda i: "failure" if i % 10 == 0 else "success")  # the reference: 200 a layer
         monitor.wait_until(lambda: monitor.value(series("attention_reference_ready", model="scenario-lm",
                                                         revision="r1", layer="2")) == 1,
                            timeout=60, what="r1's reference of layer 2 ready")
-        send(kafka_broker.bootstrap, topics, COLLAPSED, 16, seed=2, fail_every=2)
+        send_requests(kafka_broker.bootstrap, topics, COLLAPSED, np.random.default_rng(2), range(16),
+                      lambda i: "failure" if i % 2 == 0 else "success")
         # which requests raise the findings depends on how the two partitions interleave
         # (the CUSUM restarts after each), so their outcomes may all be failures or all
         # successes: wait for the joins, whichever
