@@ -162,9 +162,9 @@ class Service:
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer, consumer = self._clients(kafka)
-            self._partitions = consumer.check_topics([self.topics.traces, self.topics.outcomes, self.topics.anomalies,
-                                   self.topics.dead_letter, *self._internal(),
-                                   *([self.topics.judge_state] if s.judging == "fleet" else [])])
+            needed = [self.topics.traces, self.topics.outcomes, self.topics.anomalies, self.topics.dead_letter,
+                      *self._internal(), *([self.topics.judge_state] if s.judging == "fleet" else [])]
+            self._partitions = consumer.check_topics(needed)
             consumer.subscribe()
             log.info("committing finished batches together at most every %d ms (COMMIT_INTERVAL_MS)",
                      s.commit_interval_ms)
@@ -370,6 +370,10 @@ class Service:
             log.error("observations partition %d: its judges' state is unreadable (%s); they learn afresh from "
                       "the committed offset %d", partition, exc.detail, committed)
             found = (committed, [], [])
+        if found is not None and found[0] > committed:  # the group's offsets start over (a new GROUP_ID)
+            log.warning("observations partition %d: its judges' state was written at offset %d, beyond the "
+                        "committed %d; it is not this group's, they learn afresh", partition, found[0], committed)
+            found = None
         start, states, incidents = (None, [], []) if found is None else found
         replayed, keys = [], {(s["model"], s["judged_by"]) for s in states}
         for _, key, value in read_range(kafka, self.topics.observations, partition, start, committed):
