@@ -67,6 +67,7 @@ from numpy.typing import NDArray
 from monitor.core.calibration import RATE_FLOOR, cross_fitted_scale, page_arl
 from monitor.core.converging import named_heads
 from monitor.core.metrics import HeadMetrics
+from monitor.core.pins import Decision, Pins
 from monitor.core.reference import LengthReference
 from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
 
@@ -118,6 +119,9 @@ class Observation:
     heads: tuple[str, ...]
     metrics: HeadMetrics
     timestamp: float = 0.0  #: the trace's time (seconds since the epoch; 0: unknown), for the request rate
+    #: the revision whose reference judges it, as its judge key names it (routing decided it
+    #: by :meth:`monitor.core.pins.Pins.judge_revision`); None: decided here by that rule
+    judged_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,19 +178,6 @@ class Ahead:
     row: int = 0
 
 
-@dataclass(frozen=True)
-class Decision:
-    """How a revision is judged: by the reference of ``pinned_to``, or (``None``, after a
-    promotion) by its own."""
-
-    pinned_to: str | None
-    source: str  #: "settings", "promote", "pin"
-    at: float  #: when it was decided (seconds since the epoch; 0 for settings)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pinned_to": self.pinned_to, "source": self.source, "at": self.at}
-
-
 def _rounded_up(rate: float | None) -> float:
     """A request rate rounded up to a quarter octave (thresholds then take few values)."""
     if rate is None or rate <= RATE_FLOOR:
@@ -219,8 +210,7 @@ class Detector:
     def __init__(self, config: DetectorConfig | None = None):
         self.config = config or DetectorConfig()
         self.references: OrderedDict[LayerKey, LengthReference] = OrderedDict()  #: least recently used first
-        self.decisions: dict[Revision, Decision] = {
-            pair: Decision(reference, "settings", 0.0) for pair, reference in self.config.pins.items()}
+        self.pins = Pins(self.config.pins)  #: which revision judges which (:mod:`monitor.core.pins`)
         self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: finding CUSUM of every stream of a layer
         self._page_cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: page CUSUM of every stream of a layer
         self._times: dict[LayerKey, deque[float]] = {}  #: the layer's latest trace timestamps (its request rate)
@@ -233,19 +223,31 @@ class Detector:
 
     # --- who judges whom --------------------------------------------------------------
 
+    @property
+    def decisions(self) -> dict[Revision, Decision]:
+        return self.pins.decisions
+
     def judge_revision(self, model: str, revision: str) -> str:
-        decision = self.decisions.get((model, revision))
-        return decision.pinned_to if decision is not None and decision.pinned_to else revision
+        return self.pins.judge_revision(model, revision)
 
     def pin(self, model: str, revision: str, reference: str, at: float, source: str = "pin") -> None:
         """Judge ``revision`` by ``reference``'s reference from now on; it learns none of its own."""
-        if reference == revision:
-            raise ValueError("a revision cannot be pinned to itself; promote it instead")
-        self.decisions[(model, revision)] = Decision(reference, source, at)
+        self.pins.pin(model, revision, reference, at, source)
 
     def promote(self, model: str, revision: str, at: float) -> None:
         """Make ``revision`` its own reference: it learns one afresh from its next traces."""
-        self.decisions[(model, revision)] = Decision(None, "promote", at)
+        self.pins.promote(model, revision, at)
+        self._drop_references(model, revision)
+
+    def decide(self, model: str, revision: str, reference: str | None, at: float) -> bool:
+        """A decision of the references topic (:meth:`Pins.decide`); whether it took effect."""
+        if not self.pins.decide(model, revision, reference, at):
+            return False
+        if reference is None:
+            self._drop_references(model, revision)
+        return True
+
+    def _drop_references(self, model: str, revision: str) -> None:
         for key in [k for k in self.references if k[:2] == (model, revision)]:
             del self.references[key]
             self._forget_layer(key)
@@ -267,7 +269,7 @@ class Detector:
             values = stream_values([obs.metrics for obs in group])
             judged: dict[int, LengthReference] = {}  #: place in the group -> the ready reference judging it
             for j, obs in enumerate(group):
-                ref = self.references.get((obs.model, self.judge_revision(obs.model, obs.revision), obs.layer))
+                ref = self.references.get((obs.model, self._judged_by(obs), obs.layer))
                 if ref is not None and self._judges(ref, values.shape[1]):
                     judged[j] = ref
             table = self._standardise(list(judged.values()), [group[j].key_count for j in judged],
@@ -282,7 +284,7 @@ class Detector:
         pinned revision); judge it once the reference that judges it is ready.
         ``ahead``: what :meth:`ahead` worked out for it (else it is worked out here)."""
         h = len(obs.heads)
-        judge_revision = self.judge_revision(obs.model, obs.revision)
+        judge_revision = self._judged_by(obs)
         events: list[str] = []
         ahead = ahead or self.ahead([obs])[0]
         values = ahead.values
@@ -315,7 +317,7 @@ class Detector:
             return Verdict([], None, False, count, False, tuple(events))
         if judge_revision != obs.revision and self._announce("pinned", own_key):
             events.append(f"{obs.model} {obs.revision} layer {obs.layer} is judged by the reference of "
-                          f"{judge_revision} ({self.decisions[(obs.model, obs.revision)].source})")
+                          f"{judge_revision} ({self.pins.source(obs.model, obs.revision) or 'its judge key'})")
         table, row = ahead.standardised, ahead.row
         if table is None or table.references[row] is not ref:  # it became ready since
             table, row = self._standardise([ref], [obs.key_count], values[None]), 0
@@ -323,6 +325,11 @@ class Detector:
             self._times.setdefault(own_key, deque(maxlen=RATE_WINDOW)).append(obs.timestamp)
         anomalies, evidence = self._judge(own_key, ref, obs, table, row, h, judge_revision)
         return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events), evidence=evidence)
+
+    def _judged_by(self, obs: Observation) -> str:
+        """The revision whose reference judges ``obs``: the one its judge key names, else
+        by the rule (:meth:`Pins.judge_revision`)."""
+        return obs.judged_by or self.pins.judge_revision(obs.model, obs.revision)
 
     def _judges(self, ref: LengthReference, streams: int) -> bool:
         """``ref`` is ready and has the streams of the trace to judge. A ready reference
@@ -489,7 +496,7 @@ class Detector:
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION,
                 "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()],
-                "decisions": [{"model": m, "revision": r, **d.to_dict()} for (m, r), d in self.decisions.items()]}
+                "decisions": self.pins.to_list()}
 
     def key_state(self, model: str, judged_by: str) -> dict[str, Any]:
         """Everything one judge key holds (JUDGING=fleet: the revision ``judged_by`` of
@@ -506,8 +513,7 @@ class Detector:
 
     def _judged_layers(self, model: str, judged_by: str) -> list[LayerKey]:
         """The layers with evidence whose revision ``judged_by`` judges (itself, or pinned to it)."""
-        revisions = {judged_by} | {r for (m, r) in self.decisions
-                                   if m == model and self.judge_revision(m, r) == judged_by}
+        revisions = self.pins.pinned_to(model, judged_by)
         return sorted(k for k in {*self._cusum, *self._page_cusum, *self._times}
                       if k[0] == model and k[1] in revisions)
 
@@ -545,13 +551,7 @@ class Detector:
         if doc.get("version") != STATE_VERSION:
             raise ValueError(f"reference state version {doc.get('version', 1)} is not {STATE_VERSION}: "
                              "references are learnt afresh")
-        for item in doc.get("decisions", []):
-            pair = (str(item["model"]), str(item["revision"]))
-            pinned = item["pinned_to"]
-            other = Decision(None if pinned is None else str(pinned), str(item["source"]), float(item["at"]))
-            mine = self.decisions.get(pair)
-            if mine is None or mine.source == "settings" or other.at >= mine.at:
-                self.decisions[pair] = other
+        self.pins.merge(doc.get("decisions", []))
         for item in doc.get("references", []):
             model, revision, layer = item["key"]
             key = (str(model), str(revision), int(layer))

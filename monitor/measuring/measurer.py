@@ -357,16 +357,12 @@ class Measurer:
         """Apply pins and promotions from the references topic, in order; a decision no
         later than the one the state holds for its revision changes nothing."""
         for d in decisions:
-            current = self.detector.decisions.get((d.model_id, d.revision))
-            if current is not None and current.source != "settings" and current.at >= d.at:
+            if not self.detector.decide(d.model_id, d.revision, d.reference if d.action == "pin" else None, d.at):
                 continue
             if d.action == "promote":
-                self.detector.promote(d.model_id, d.revision, d.at)
                 log.info("%s %s promoted to be its own reference (by %s): it learns a reference from its next "
                          "traces", d.model_id, d.revision, d.by)
             else:
-                assert d.reference is not None
-                self.detector.pin(d.model_id, d.revision, d.reference, d.at)
                 log.info("%s %s pinned to the reference of %s (by %s)", d.model_id, d.revision, d.reference, d.by)
 
     def set_contracts(self, contracts: list[ModelContract]) -> None:

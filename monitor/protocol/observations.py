@@ -32,7 +32,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ from monitor.protocol.records import TraceIdentity
 from monitor.protocol.schema import OUTCOMES
 
 __all__ = ["MAGIC", "RECORD_BYTES", "VERSION", "Forwarded", "decode", "encode", "encode_within", "judge_key",
-           "parse_key"]
+           "parse_key", "read"]
 
 MAGIC = b"AMOB"
 VERSION = 1
@@ -65,12 +65,15 @@ class Forwarded:
     heads: tuple[str, ...]
     metrics: HeadMetrics  #: one trace's metrics (no batch dimension), without row masses
     outcome: str  #: the task outcome, or ``missing`` when none came within the join's TTL
+    #: the revision whose reference judges it, as its record's key names it (:func:`read`);
+    #: None before it is keyed
+    judged_by: str | None = None
 
     def observation(self) -> Observation:
-        """What the detector judges (as :meth:`Observed.observation` gives it in-process)."""
+        """What the detector judges: the trace, judged by the revision its key names."""
         i = self.identity
         return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics,
-                           i.trace_timestamp)
+                           i.trace_timestamp, self.judged_by)
 
 
 def judge_key(model_id: str, judged_by: str) -> bytes:
@@ -87,6 +90,17 @@ def parse_key(key: bytes | None) -> tuple[str, str]:
     except ValueError as exc:  # not UTF-8 (UnicodeDecodeError is one), or not two parts
         raise _malformed(f"key {key!r} is not a model id and a revision") from exc
     return model_id, judged_by
+
+
+def read(key: bytes | None, value: bytes | memoryview | None) -> tuple[tuple[str, str], list[Forwarded]]:
+    """A record's judge key and its entries, each to be judged by the revision the key
+    names (whatever the judge's own pins say: the instance that routed it decided);
+    :class:`TraceRejected` (``malformed``) when either cannot be read."""
+    model_id, judged_by = parse_key(key)
+    entries = decode(value)
+    if any(e.identity.model_id != model_id for e in entries):
+        raise _malformed(f"an entry of another model than its key's {model_id!r}")
+    return (model_id, judged_by), [replace(e, judged_by=judged_by) for e in entries]
 
 
 def encode(entries: Sequence[Forwarded]) -> bytes:

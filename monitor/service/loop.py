@@ -40,6 +40,7 @@ from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back, read_range
 from monitor.core.detect import STATE_VERSION
+from monitor.core.pins import Pins
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed, TraceRejected
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.tuning import YOUNG_THRESHOLD, collect_less, reuse_freed_memory
@@ -55,7 +56,7 @@ from monitor.service.delivery import Delivery
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
 from monitor.service.http import MetricsServer
-from monitor.service.pins import PinCheck, pins
+from monitor.service.pins import PinCheck, follow
 from monitor.service.pipeline import Batch, Pipeline
 from monitor.service.state_file import StateFile
 from monitor.settings import Settings
@@ -86,11 +87,13 @@ class Service:
             log.warning("TRIAGE_URL is set but TRIAGE_RECORDS is 0: no triage pages are served, alerts link to none")
         self.contracts = ContractTable()  # verifying, once the keyring is read (run)
         self.references = ReferenceTable()
-        self.pins = PinCheck({})  #: with the settings' pins, once they are read (run)
-        self._pins_in_force: dict[tuple[str, str], str] = {}
+        #: which revision judges which, for routing a trace to its judge: the settings' pins,
+        #: the saved state's and the references topic's, by the judge's own rule (run)
+        self.routing = Pins()
+        self.pins = PinCheck(self.routing)
         self._partitions: dict[str, int] = {}  #: partition counts of the topics checked at start
         self._warned_shared = False
-        self._pins_version = -1
+        self._pins_version = 0  #: the references table's decisions taken into the routing rule
         self.assignment = Assignment()
         self.state_file = None if settings.state_dir is None else StateFile(settings.state_dir, settings.instance())
         self.stopping = threading.Event()
@@ -151,9 +154,11 @@ class Service:
                 readers[-1].load(s.startup_timeout_s)
             log.info("%d model contracts and %d reference decisions loaded", len(self.contracts),
                      len(self.references.decisions))
-            self.pins = PinCheck(detector.pins)
-            self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
+            self.routing = Pins(detector.pins)
+            self.routing.merge([] if state is None else state.get("decisions", []))
+            self.pins = PinCheck(self.routing)
             self._follow_pins()
+            self.metrics.observe_pins(*self.pins.check(self.contracts))
             if s.judging == "fleet":
                 log.info("JUDGING=fleet: each stream is judged by the instance that owns its key on %s, its state "
                          "kept on %s every %.0f s (STATE_SAVE_INTERVAL_S)", self.topics.observations,
@@ -258,8 +263,8 @@ class Service:
                 _complete(delivery, finished)
                 finished.clear()
             self.metrics.observe_contracts(self.contracts)
-            self.metrics.observe_pins(*self.pins.check(self.contracts, self.references))
             self._follow_pins()
+            self.metrics.observe_pins(*self.pins.check(self.contracts))
             if time.monotonic() - lag_at >= LAG_INTERVAL_S:
                 lag_at = time.monotonic()
                 self._check_broker(consumer)
@@ -286,15 +291,12 @@ class Service:
         return [self.topics.observations] if self.settings.judging == "fleet" else []
 
     def _follow_pins(self) -> None:
-        """The pins in force, for :meth:`_judged_by` (worked out again when the references
-        topic brought a decision; replaced whole, so the pipeline's thread reads either)."""
-        if self.references.version != self._pins_version:
-            self._pins_version = self.references.version
-            self._pins_in_force = pins(self.pins.settings_pins, self.references)
+        """The references topic's new decisions, taken into the routing rule in order."""
+        self._pins_version = follow(self.routing, self.references, self._pins_version)
 
     def _judged_by(self, model: str, revision: str) -> str:
         """The revision whose reference judges ``revision``'s traces: its judge's key."""
-        return self._pins_in_force.get((model, revision), revision)
+        return self.routing.judge_revision(model, revision)
 
     def _names_unknown_contract(self, records: list[Record]) -> bool:
         """Whether a trace of the poll names a contract this instance does not know (the
@@ -378,8 +380,9 @@ class Service:
         replayed, keys = [], {(s["model"], s["judged_by"]) for s in states}
         for _, key, value in read_range(kafka, self.topics.observations, partition, start, committed):
             try:
-                keys.add(observations.parse_key(key))
-                replayed += observations.decode(value)
+                judge, entries = observations.read(key, value)
+                keys.add(judge)
+                replayed += entries
             except TraceRejected:
                 continue  # refused when it was first judged; nothing to rebuild from it
         fresh = keys - {(s["model"], s["judged_by"]) for s in states}

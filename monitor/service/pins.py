@@ -18,49 +18,41 @@ pin whose revision no known contract has, loudly and from the moment it is seen:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from monitor.core.pins import Pins, Revision
 from monitor.protocol.decisions import ReferenceTable
 from monitor.protocol.model_contract import ContractTable
 
 log = logging.getLogger(__name__)
 
-Revision = tuple[str, str]  #: (model, revision)
-
-
-def pins(settings_pins: Mapping[Revision, str], table: ReferenceTable) -> dict[Revision, str]:
-    """Every pin in force: the settings' ones, then the references topic's latest decision
-    per revision (a later promotion there unpins)."""
-    out = dict(settings_pins)
-    for decision in table.decisions.values():
-        if decision.action == "pin" and decision.reference is not None:
-            out[(decision.model_id, decision.revision)] = decision.reference
-        else:
-            out.pop((decision.model_id, decision.revision), None)
-    return out
+def follow(rule: Pins, table: ReferenceTable, version: int) -> int:
+    """Apply the references topic's decisions after ``version`` to ``rule``, in order,
+    as the judge applies them (:meth:`Pins.decide`); the table's version now."""
+    for d in table.since(version):
+        rule.decide(d.model_id, d.revision, d.reference if d.action == "pin" else None, d.at)
+    return table.version
 
 
 @dataclass
 class PinCheck:
     """Finds the pins whose revision no contract has, and says so once per change."""
 
-    settings_pins: Mapping[Revision, str]
+    rule: Pins  #: the pins in force: the same rule routing and judging follow
     unmatched: dict[Revision, str] = field(default_factory=dict)  #: pinned revision → its reference
     _versions: tuple[int, int] = (-1, -1)
     _told: dict[Revision, frozenset[str]] = field(default_factory=dict)  #: the other revisions last named
 
-    def check(self, contracts: ContractTable, references: ReferenceTable) -> tuple[dict[Revision, str],
-                                                                                    dict[Revision, str]]:
+    def check(self, contracts: ContractTable) -> tuple[dict[Revision, str], dict[Revision, str]]:
         """(pins that became unmatched, pins that stopped being) since the last call;
-        nothing is worked out when neither table changed."""
-        versions = (contracts.version, references.version)
+        nothing is worked out when neither the contracts nor the pins changed."""
+        versions = (contracts.version, self.rule.version)
         if versions == self._versions:
             return {}, {}
         self._versions = versions
         known = {(c.model_id, c.model_revision) for c in contracts.contracts()}
-        now = {pair: reference for pair, reference in pins(self.settings_pins, references).items()
-               if pair not in known}
+        now = {pair: reference for pair, reference in self.rule.in_force().items() if pair not in known}
         began = {pair: ref for pair, ref in now.items() if self.unmatched.get(pair) != ref}
         ended = {pair: ref for pair, ref in self.unmatched.items() if now.get(pair) != ref}
         self.unmatched = now

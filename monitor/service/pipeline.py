@@ -159,8 +159,8 @@ class Pipeline:
         for record in records:
             self._queued[record.partition] = record.offset + 1
             try:
-                self._keys_on.setdefault(record.partition, set()).add(observations.parse_key(record.key))
-                read = observations.decode(record.value)
+                key, read = observations.read(record.key, record.value)
+                self._keys_on.setdefault(record.partition, set()).add(key)
             except TraceRejected as exc:
                 entries[(record.topic, record.partition, record.offset)] = exc
                 continue

@@ -117,3 +117,23 @@ def test_a_keys_traces_take_as_many_records_as_keep_each_within_the_limit():
     back = [e for v in values for e in decode(v)]
     assert [(e.identity.trace_id, e.outcome) for e in back] == [(e.identity.trace_id, e.outcome) for e in entries]
     assert len(encode_within(entries[:1], limit=10)) == 1  # one trace beyond the limit still travels
+
+
+def test_a_judge_judges_by_the_revision_its_record_key_names_whatever_its_own_pins():
+    """The instance that routed a canary's traces decided which revision judges them; a
+    judge whose own pins say otherwise (it never had the setting) obeys the key, so the
+    canary is judged by the pinned reference and never learns one of its own."""
+    from monitor.protocol.observations import read
+
+    judge = Detector(DetectorConfig(reference_traces=40))  # no pins of its own
+    for o in measured(HEALTHY, 40, seed=0):
+        judge.observe(o.observation())
+    canary = forwarded(measured(COLLAPSED, 10, seed=1))
+    key, entries = read(judge_key("scenario-lm", "rev-1"), encode(canary))
+    assert key == ("scenario-lm", "rev-1") and {e.judged_by for e in entries} == {"rev-1"}
+    verdicts = [judge.observe(e.observation()) for e in entries]
+    assert {v.judged_by for v in verdicts} == {"rev-1"} and not any(v.learning for v in verdicts)
+    assert any(v.anomalies for v in verdicts)
+    assert not [k for k in judge.references if k[1] == "rev-2"]
+    with pytest.raises(TraceRejected, match="another model"):
+        read(judge_key("other-lm", "rev-1"), encode(canary))

@@ -10,10 +10,21 @@ import sys
 
 import numpy as np
 import pytest
+from kafka import KafkaConsumer, TopicPartition
 
 from devstack.wait import wait_for
+from monitor.protocol import observations
 from monitor.tools.scenario import Scenario
-from tests.service.harness import REPO, Monitor, make_topics, monitor_env, publish_contracts, send_traces, series
+from tests.service.harness import (
+    REPO,
+    Monitor,
+    make_topics,
+    monitor_env,
+    publish_contracts,
+    send_requests,
+    send_traces,
+    series,
+)
 
 pytestmark = pytest.mark.kafka
 HEALTHY, NEXT = Scenario(revision="rev-1"), Scenario(revision="rev-2")
@@ -123,3 +134,57 @@ def test_a_pin_naming_a_revision_no_contract_has_is_reported(kafka_broker, make_
         assert not any(k.startswith("attention_monitor_pin_unmatched{") for k in monitor.metrics())
     finally:
         monitor.process.stop()
+
+
+def test_a_pin_kept_only_in_the_saved_state_routes_the_canary_to_its_reference_revisions_judge(
+        kafka_broker, make_topic, tmp_path):
+    """A pin from the settings is kept in the saved state; a run without the setting
+    still judges the canary by it, and must route the canary's observations to the judge
+    of the pinned reference: a judge elsewhere holding only the canary's key would find
+    no reference and judge nothing."""
+    topics = make_topics(make_topic)
+    publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract(), NEXT.contract()])
+    env = monitor_env(kafka_broker.bootstrap, topics, f"saved-pin-{tmp_path.name}", tmp_path, judging="fleet",
+                      measure_processes=0)
+    first = Monitor({**env, "ATTENTION_MONITOR_REFERENCE_PINS": "scenario-lm@rev-2=rev-1"}, tmp_path / "first.log")
+    try:
+        first.wait_ready()
+        send_requests(kafka_broker.bootstrap, topics, HEALTHY, np.random.default_rng(1), range(30), lambda i: "success")
+        ready = series("attention_reference_ready", layer="0", model="scenario-lm", revision="rev-1")
+        wait_for(lambda: first.value(ready) == 1, timeout=90, what="rev-1's reference ready")
+    finally:
+        first.process.stop()  # the state, with the pin, is saved on the way out
+
+    restarted = Monitor(env, tmp_path / "restarted.log", "restarted")  # no pin in its settings
+    try:
+        restarted.wait_ready()
+        send_requests(kafka_broker.bootstrap, topics, NEXT, np.random.default_rng(2), range(3), lambda i: "success")
+        judged = series("attention_reference_judge", layer="0", model="scenario-lm", reference="rev-1",
+                        revision="rev-2")
+        wait_for(lambda: restarted.value(judged) > 0, timeout=90, what="rev-2 judged by rev-1's reference")
+    finally:
+        restarted.process.stop()
+    assert keys_of(kafka_broker.bootstrap, topics.observations)["rev-2"] == {("scenario-lm", "rev-1")}
+
+
+def keys_of(bootstrap: str, topic: str, partitions: int = 2) -> dict[str, set[tuple[str, str]]]:
+    """The judge keys the committed observations of each revision were sent to."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False)
+    parts = [TopicPartition(topic, p) for p in range(partitions)]
+    consumer.assign(parts)
+    consumer.seek_to_beginning()
+    ends = consumer.end_offsets(parts)
+    keys: dict[str, set[tuple[str, str]]] = {}
+
+    def read_all() -> bool:
+        for records in consumer.poll(timeout_ms=200).values():
+            for r in records:
+                for entry in observations.decode(r.value):
+                    keys.setdefault(entry.identity.model_revision, set()).add(observations.parse_key(r.key))
+        return all(consumer.position(p) >= ends[p] for p in parts)
+
+    try:
+        wait_for(read_all, timeout=30, what=f"{topic} read to its end")
+    finally:
+        consumer.close()
+    return keys
