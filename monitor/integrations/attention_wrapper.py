@@ -1,73 +1,118 @@
-"""Wrapping a transformers model's attention, whatever implementation it runs: the base
-of the attention tap (which reads) and of head ablation (which intervenes).
+"""Wrapping a transformers model's attention, whatever implementation it runs and without
+renaming it: the base of the attention tap (which reads) and of head ablation (which
+intervenes).
 
-transformers routes every modern model's attention through ``AttentionInterface``. A
-:class:`AttentionWrapper` registers a function there, under a name of its own, that calls
-the implementation the model was loaded with (``eager`` through the model's own
-``eager_attention_forward``) and hands the result to :meth:`AttentionWrapper.around`; the
-model's mask function is registered under the same name, so the wrapped implementation
-sees the very mask it would see unwrapped. Wrappers stack: a wrapper installed over
-another calls it as the model's implementation. :meth:`restore` puts back the
-implementation found at installation.
+transformers' modeling code asks ``ALL_ATTENTION_FUNCTIONS.get_interface(config.
+_attn_implementation, eager_attention_forward)`` for the attention function of every layer
+call. While any wrapper is installed, that lookup is wrapped (on the one global
+``ALL_ATTENTION_FUNCTIONS`` instance, not on the class): it returns, for the function the
+model would have got, a dispatcher that calls that very function and then, for the
+modules of wrapped models only, hands its output to :meth:`AttentionWrapper.around`.
+Every other model in the process gets the unchanged output of its own function.
+
+The model's implementation name is never changed, so whatever transformers decides from
+the name stays as it is: continuous batching's choice of a packed block-diagonal mask
+(``utils.attn_mask_is_needed``), its switch from ``eager`` to ``paged|eager``, the mask
+function. A wrapper installed or removed while a continuous-batching manager runs changes
+nothing the model computes. Wrappers stack (a tap and an ablation on one model): each
+sees the output of the one installed before it. :meth:`restore` removes the wrapper; the
+last one out puts the lookup back.
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _ids = itertools.count()
+_lock = threading.Lock()
+#: id(attention module) -> (the module, the wrappers around it in installation order);
+#: replaced, never mutated, so the forward pass reads it without a lock
+_wrapped: dict[int, tuple[Any, tuple[AttentionWrapper, ...]]] = {}
+#: the function transformers returned -> its dispatcher (one per function, made once)
+_dispatchers: dict[Callable[..., Any], Callable[..., Any]] = {}
+_original_get_interface: Callable[..., Any] | None = None
+
+
+def _dispatcher(function: Callable[..., Any]) -> Callable[..., Any]:
+    found = _dispatchers.get(function)
+    if found is not None:
+        return found
+
+    def dispatch(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        output = function(module, query, key, value, attention_mask, *args, **kwargs)
+        entry = _wrapped.get(id(module))
+        if entry is None or entry[0] is not module:
+            return output
+        for wrapper in entry[1]:
+            output = wrapper.around(module, output, query, key, attention_mask, kwargs)
+        return output
+
+    dispatch.__wrapped__ = function  # type: ignore[attr-defined]
+    _dispatchers[function] = dispatch
+    return dispatch
+
+
+def _get_interface(attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+    original = _original_get_interface
+    function = (original(attn_implementation, default) if original is not None
+                else type(ALL_ATTENTION_FUNCTIONS).get_interface(ALL_ATTENTION_FUNCTIONS, attn_implementation, default))
+    return _dispatcher(function)
+
+
+def _install(wrapper: AttentionWrapper, modules: list[Any]) -> None:
+    global _wrapped, _original_get_interface
+    with _lock:
+        table = dict(_wrapped)
+        for module in modules:
+            entry = table.get(id(module))
+            table[id(module)] = (module, (*entry[1], wrapper) if entry and entry[0] is module else (wrapper,))
+        _wrapped = table
+        if _original_get_interface is None:
+            _original_get_interface = ALL_ATTENTION_FUNCTIONS.get_interface
+            ALL_ATTENTION_FUNCTIONS.get_interface = _get_interface  # type: ignore[method-assign]
+
+
+def _remove(wrapper: AttentionWrapper) -> None:
+    global _wrapped, _original_get_interface
+    with _lock:
+        table = {}
+        for key, (module, wrappers) in _wrapped.items():
+            kept = tuple(w for w in wrappers if w is not wrapper)
+            if kept:
+                table[key] = (module, kept)
+        _wrapped = table
+        if not table and _original_get_interface is not None:
+            if ALL_ATTENTION_FUNCTIONS.__dict__.get("get_interface") is _get_interface:
+                del ALL_ATTENTION_FUNCTIONS.get_interface
+            _original_get_interface = None
 
 
 class AttentionWrapper:
     def __init__(self, model: Any, prefix: str):
         self.model = model
-        self._original_name: str = model.config._attn_implementation
-        self._eager: dict[type, Callable[..., Any]] = {}
         self._layer_of: dict[int, int] = {}
         self.name = f"{prefix}-{next(_ids)}"
-        AttentionInterface.register(self.name, self._attention)
-        AttentionMaskInterface.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[self._original_name])
         self.installed = True
-        model.set_attn_implementation(self.name)
+        _install(self, list(model.modules()))  # only attention modules ever reach a dispatcher
 
     def around(self, module: Any, output: Any, query: torch.Tensor, key: torch.Tensor,
-               attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
+               attention_mask: Any, kwargs: dict[str, Any]) -> Any:
         """What the wrapper returns in place of ``output`` (the implementation's
         ``(attn_output [batch, queries, heads, head_dim], attn_weights)``)."""
         return output
 
     def restore(self) -> None:
-        """The model's own attention implementation again."""
+        """Stop wrapping: the model's attention calls reach its own implementation alone."""
         if self.installed:
             self.installed = False
-            self.model.set_attn_implementation(self._original_name)
-
-    def _attention(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        output = self._implementation(module)(module, query, key, value, attention_mask, *args, **kwargs)
-        if not self.installed:
-            return output
-        return self.around(module, output, query, key, attention_mask, kwargs)
-
-    def _implementation(self, module: Any) -> Callable[..., Any]:
-        if self._original_name != "eager":
-            return ALL_ATTENTION_FUNCTIONS[self._original_name]  # type: ignore[no-any-return]
-        cls = type(module)
-        if cls not in self._eager:
-            function = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
-            if function is None:
-                raise RuntimeError(f"{cls.__module__} has no eager_attention_forward to wrap; load the model with "
-                                   "attn_implementation='sdpa'")
-            self._eager[cls] = function
-        return self._eager[cls]
+            _remove(self)
 
     def layer(self, module: Any) -> int:
         """The layer number of an attention module (its ``layer_idx``, else its rank)."""

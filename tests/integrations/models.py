@@ -147,3 +147,20 @@ SENTENCES = (
     "Kafka keeps the records in order within a partition.",
     "She sells sea shells by the sea shore.",
 )
+
+
+def continuous_batching_config(**overrides: Any) -> Any:
+    """A small paged cache for continuous batching on CPU: sizing the cache from free memory
+    takes tens of seconds here; 16-token pages make prompts span several blocks."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    settings = {"num_blocks": 128, "max_batch_tokens": 256, "page_size": 16, **overrides}
+    return ContinuousBatchingConfig(**settings)
+
+
+def greedy(max_new_tokens: int) -> Any:
+    """Greedy generation without an end-of-sequence token (every request makes
+    ``max_new_tokens`` tokens)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
