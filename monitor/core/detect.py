@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,17 +66,25 @@ from numpy.typing import NDArray
 
 from monitor.core.calibration import RATE_FLOOR, cross_fitted_scale, page_arl
 from monitor.core.converging import named_heads
-from monitor.core.metrics import HeadMetrics
+from monitor.core.key_state import (
+    RATE_WINDOW,
+    STATE_VERSION,
+    KeyState,
+    LayerEvidence,
+    LayerKey,
+    read_reference_item,
+    reference_item,
+)
 from monitor.core.pins import Decision, Pins
 from monitor.core.reference import LengthReference
 from monitor.core.standardise import HEAD_METRICS, Standardised, Streams, standardise, stream_values
+from monitor.core.verdict import Ahead, Anomaly, Evidence, Observation, Verdict
+
+__all__ = ["KINDS", "RATE_WINDOW", "STATE_VERSION", "Ahead", "Anomaly", "Decision", "Detector", "DetectorConfig",
+           "Evidence", "KeyState", "LayerKey", "Observation", "Verdict", "cusum_threshold"]
 
 KINDS = ("low_diversity", "entropy_collapse", "concentration_spike", "sink_shift", "learned_sink_shift",
          "prompt_mass_shift")
-STATE_VERSION = 3
-#: timestamps kept per layer to measure its request rate
-RATE_WINDOW = 128
-LayerKey = tuple[str, str, int]  # model, revision, layer
 Revision = tuple[str, str]  # model, revision
 
 
@@ -105,77 +113,6 @@ class DetectorConfig:
     pins: Mapping[tuple[str, str], str] = field(default_factory=dict)
     #: references kept; beyond, the one unused longest goes (a flood of invented revisions stays bounded)
     max_references: int = 1024
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One trace as the detector sees it: whose layer, how many keys, its head ids in
-    order, and the metrics core's :class:`~monitor.core.metrics.HeadMetrics` of it."""
-
-    model: str
-    revision: str
-    layer: int
-    key_count: int
-    heads: tuple[str, ...]
-    metrics: HeadMetrics
-    timestamp: float = 0.0  #: the trace's time (seconds since the epoch; 0: unknown), for the request rate
-    #: the revision whose reference judges it, as its judge key names it (routing decided it
-    #: by :meth:`monitor.core.pins.Pins.judge_revision`); None: decided here by that rule
-    judged_by: str | None = None
-
-
-@dataclass(frozen=True)
-class Anomaly:
-    kind: str
-    layer: int
-    heads: tuple[str, ...]
-    value: float  #: the observed value (head kinds: that head's)
-    reference: float  #: the reference mean it is judged against, at the trace's length
-    effect: float  #: standardised effect size of this trace, bad direction positive
-    score: float  #: the CUSUM statistic that crossed the threshold
-    reference_revision: str
-    pages: bool = False  #: the evidence crossed the page threshold (an incident opens on it)
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What an anomalous trace looked like beside its reference, for the triage page:
-    the head-similarity matrices (small, no weights) and every head's metrics against
-    the reference band at the trace's length."""
-
-    heads: tuple[str, ...]
-    key_count: int
-    similarity: NDArray[np.float64]  #: this trace's [H, H] head-similarity matrix
-    reference_similarity: NDArray[np.float64] | None  #: the reference's mean matrix
-    metrics: dict[str, NDArray[np.float64]]  #: entropy, concentration, sink_share: this trace's, per head
-    band_mean: dict[str, NDArray[np.float64]]  #: the same metrics' reference mean at this length
-    band_sd: dict[str, NDArray[np.float64]]  #: and their reference deviation (floored as in judging)
-    diversity: tuple[float, float, float]  #: layer diversity: value, reference mean, reference sd
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the detector made of one trace."""
-
-    anomalies: list[Anomaly]
-    judged_by: str | None  #: the revision whose reference judged the trace; None when none could
-    learning: bool  #: the trace taught its revision's own reference
-    reference_traces: int  #: traces in the reference that judges this layer (or is learning to)
-    ready: bool  #: that reference judges traces
-    events: tuple[str, ...] = ()  #: worth a log line: a reference became ready, a pin took effect
-    evicted: int = 0  #: references dropped to keep at most ``max_references``
-    evidence: Evidence | None = None  #: with anomalies: the trace beside its reference
-
-
-@dataclass(frozen=True)
-class Ahead:
-    """What :meth:`Detector.observe` works out of a trace before it touches any state:
-    its stream values and, when the reference that judges it was ready, its row of
-    ``standardised``. :meth:`Detector.ahead` works them out for many traces at once."""
-
-    values: NDArray[np.float64]
-    standardised: Standardised | None = None
-    row: int = 0
 
 
 def _rounded_up(rate: float | None) -> float:
@@ -211,11 +148,8 @@ class Detector:
         self.config = config or DetectorConfig()
         self.references: OrderedDict[LayerKey, LengthReference] = OrderedDict()  #: least recently used first
         self.pins = Pins(self.config.pins)  #: which revision judges which (:mod:`monitor.core.pins`)
-        self._cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: finding CUSUM of every stream of a layer
-        self._page_cusum: dict[LayerKey, NDArray[np.float64]] = {}  #: page CUSUM of every stream of a layer
-        self._times: dict[LayerKey, deque[float]] = {}  #: the layer's latest trace timestamps (its request rate)
-        #: per layer: (references' version, traces timed, page threshold) when last worked out
-        self._page_h: dict[LayerKey, tuple[int, int, float]] = {}
+        #: every judged layer's CUSUMs, trace times and page threshold (bounded in number)
+        self._evidence: dict[LayerKey, LayerEvidence] = {}
         self._references_version = 0  #: counts changes of the set of references (page thresholds depend on it)
         self._announced: set[tuple[str, LayerKey]] = set()
         self._k = self.config.shift / 2
@@ -321,9 +255,10 @@ class Detector:
         table, row = ahead.standardised, ahead.row
         if table is None or table.references[row] is not ref:  # it became ready since
             table, row = self._standardise([ref], [obs.key_count], values[None]), 0
+        layer = self._layer_evidence(own_key)
         if obs.timestamp > 0:
-            self._times.setdefault(own_key, deque(maxlen=RATE_WINDOW)).append(obs.timestamp)
-        anomalies, evidence = self._judge(own_key, ref, obs, table, row, h, judge_revision)
+            layer.times.append(obs.timestamp)
+        anomalies, evidence = self._judge(own_key, layer, ref, obs, table, row, h, judge_revision)
         return Verdict(anomalies, judge_revision, False, ref.traces, True, tuple(events), evidence=evidence)
 
     def _judged_by(self, obs: Observation) -> str:
@@ -353,9 +288,7 @@ class Detector:
 
     def _forget_layer(self, key: LayerKey) -> None:
         self._references_version += 1
-        self._cusum.pop(key, None)
-        self._page_cusum.pop(key, None)
-        self._times.pop(key, None)
+        self._evidence.pop(key, None)
         self._announced = {a for a in self._announced if a[1] != key}
 
     def _announce(self, what: str, key: LayerKey) -> bool:
@@ -378,8 +311,17 @@ class Detector:
         return standardise(self._stream_table((values.shape[1] - 1) // len(HEAD_METRICS)), refs, key_counts, values,
                            pool=min(c.pool, c.reference_traces), clip=c.clip, k=self._k, min_effect=c.min_effect)
 
-    def _judge(self, key: LayerKey, ref: LengthReference, obs: Observation, table: Standardised, row: int,
-               h: int, ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
+    def _layer_evidence(self, key: LayerKey) -> LayerEvidence:
+        """The layer's evidence (new, the oldest layer's dropped beyond twice ``max_references``)."""
+        layer = self._evidence.get(key)
+        if layer is None:
+            while len(self._evidence) >= 2 * self.config.max_references:
+                del self._evidence[next(iter(self._evidence))]
+            layer = self._evidence[key] = LayerEvidence()
+        return layer
+
+    def _judge(self, key: LayerKey, layer: LayerEvidence, ref: LengthReference, obs: Observation,
+               table: Standardised, row: int, h: int, ref_revision: str) -> tuple[list[Anomaly], Evidence | None]:
         """Every stream of the layer in one vector, in both CUSUMs. Low diversity: layer
         diversity down, and each head's similarity to its nearest other head up (a group
         of heads turning into copies of each other may barely move the layer's mean); then
@@ -389,13 +331,13 @@ class Detector:
         c = self.config
         streams = self._stream_table(h)
         step = table.step[row]
-        s = np.maximum(0.0, self._statistic(self._cusum, key, step) + step)
-        p = np.maximum(0.0, self._statistic(self._page_cusum, key, step) + step)
+        s = np.maximum(0.0, _statistic(layer.cusum, step) + step)
+        p = np.maximum(0.0, _statistic(layer.page_cusum, step) + step)
         large = table.large[row]
         hit = (s > streams.thresholds) & large
         paged = (p > self.page_threshold(key, ref_revision)) & large
         if not (hit.any() or paged.any()):
-            self._cusum[key], self._page_cusum[key] = s, p
+            layer.cusum, layer.page_cusum = s, p
             return [], None
         x, mean, z = table.x[row], table.mean[row], table.z[row]
         found = []
@@ -416,7 +358,7 @@ class Detector:
                                  float(z[j]), float(max(s[j], p[j])), ref_revision, bool(paged[j])))
         s[hit] = 0.0
         p[paged] = 0.0
-        self._cusum[key], self._page_cusum[key] = s, p
+        layer.cusum, layer.page_cusum = s, p
         m = obs.metrics
         shown = {"entropy": m.entropy, "concentration": m.concentration, "sink_share": m.sink_share}
         for name in ("learned_sink", "prompt_mass"):  # when the trace has them
@@ -430,16 +372,6 @@ class Detector:
                             (float(m.diversity), float(fit_mean[0]), float(sd[0])))
         return found, evidence
 
-    def _statistic(self, table: dict[LayerKey, NDArray[np.float64]], key: LayerKey,
-                   like: NDArray[np.float64]) -> NDArray[np.float64]:
-        """A layer's CUSUM statistics (zeros the first time; bounded in number)."""
-        old = table.get(key)
-        if old is None or old.shape != like.shape:
-            old = np.zeros_like(like)
-            while len(table) >= 2 * self.config.max_references:
-                del table[next(iter(table))]
-        return old
-
     def _threshold(self, streams: int) -> float:
         return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
 
@@ -448,8 +380,9 @@ class Detector:
         budget split over all the streams of the reference revision's layers, at the
         layer's observed request rate rounded up to a quarter octave. Worked out again
         when the references change or every ``RATE_WINDOW / 8`` traces."""
-        timed = len(self._times.get(key, ()))
-        cached = self._page_h.get(key)
+        layer = self._evidence.get(key)
+        timed = 0 if layer is None else len(layer.times)
+        cached = None if layer is None else layer.page_h
         if cached is not None and cached[0] == self._references_version and abs(cached[1] - timed) < RATE_WINDOW // 8:
             return cached[2]
         model = key[0]
@@ -457,9 +390,8 @@ class Detector:
                       if k[0] == model and k[1] == ref_revision)
         arl = page_arl(streams, _rounded_up(self.rate(key)), self.config.false_pages_per_week)
         h = cusum_threshold(max(arl, 2.0), self._k)  # a budget beyond a page a trace: every crossing pages
-        if len(self._page_h) >= 2 * self.config.max_references:
-            self._page_h.clear()
-        self._page_h[key] = (self._references_version, timed, h)
+        if layer is not None:
+            layer.page_h = (self._references_version, timed, h)
         return h
 
     def _judged_streams(self, ref: LengthReference) -> int:
@@ -471,7 +403,7 @@ class Detector:
     def rate(self, key: LayerKey) -> float | None:
         """The layer's request rate (traces a second) over its latest judged traces, from
         their timestamps; None before two distinct ones."""
-        times = self._times.get(key)
+        times = None if key not in self._evidence else self._evidence[key].times
         if not times or len(times) < 2:
             return None
         span = max(times) - min(times)
@@ -489,60 +421,51 @@ class Detector:
         """A copy of every layer's CUSUM statistics, ``[2, streams]``: the finding and the
         page CUSUM of each stream in judging order (:class:`~monitor.core.standardise.Streams`):
         the evidence gathered so far, which verdicts show only once it crosses a threshold."""
-        return {key: np.stack([s, self._page_cusum.get(key, np.zeros_like(s))]) for key, s in self._cusum.items()}
+        return {key: np.stack([e.cusum, np.zeros_like(e.cusum) if e.page_cusum is None else e.page_cusum])
+                for key, e in self._evidence.items() if e.cusum is not None}
 
     # --- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The references and decisions, as the state file keeps them (:meth:`merge_state`)."""
         return {"version": STATE_VERSION,
-                "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()],
+                "references": [reference_item(k, r.to_dict()) for k, r in self.references.items()],
                 "decisions": self.pins.to_list()}
 
-    def key_state(self, model: str, judged_by: str) -> dict[str, Any]:
-        """Everything one judge key holds (JUDGING=fleet: the revision ``judged_by`` of
-        ``model``, and the revisions pinned to it): its references, and the evidence, and
-        the trace times of every layer it judges, as JSON-able values. With
-        :meth:`restore_key` on another detector, the two judge what follows alike."""
-        mine = self._judged_layers(model, judged_by)
-        return {"version": STATE_VERSION, "model": model, "judged_by": judged_by,
-                "references": [{"key": list(k), "reference": r.to_dict()} for k, r in self.references.items()
-                               if k[0] == model and k[1] == judged_by],
-                "layers": [{"key": list(k), "cusum": _listed(self._cusum.get(k)),
-                            "page_cusum": _listed(self._page_cusum.get(k)),
-                            "times": list(self._times.get(k, ()))} for k in mine]}
-
-    def _judged_layers(self, model: str, judged_by: str) -> list[LayerKey]:
-        """The layers with evidence whose revision ``judged_by`` judges (itself, or pinned to it)."""
+    def judge_state(self, model: str, judged_by: str) -> KeyState:
+        """Everything one judge key holds (the revision ``judged_by`` of ``model``, and the
+        revisions pinned to it): its references, and the evidence of every layer it judges,
+        frozen now. :meth:`install` on another detector: the two judge what follows alike."""
         revisions = self.pins.pinned_to(model, judged_by)
-        return sorted(k for k in {*self._cusum, *self._page_cusum, *self._times}
-                      if k[0] == model and k[1] in revisions)
+        return KeyState(model, judged_by,
+                        tuple((k, r.to_dict()) for k, r in self.references.items() if k[:2] == (model, judged_by)),
+                        tuple(e.frozen(k) for k, e in sorted(self._evidence.items())
+                              if k[0] == model and k[1] in revisions))
 
-    def restore_key(self, doc: Mapping[str, Any]) -> None:
-        """Replace one judge key's references and evidence by those of :meth:`key_state`
-        (decisions are not part of it: every instance reads them from the references
-        topic)."""
-        if doc.get("version") != STATE_VERSION:
-            raise ValueError(f"judge state version {doc.get('version')} is not {STATE_VERSION}")
-        model, judged_by = str(doc["model"]), str(doc["judged_by"])
-        for key in [k for k in self.references if k[0] == model and k[1] == judged_by]:
+    def install(self, state: KeyState) -> None:
+        """Replace one judge key's references and evidence by ``state`` (decisions are not
+        part of it: every instance reads them from the references topic)."""
+        model, judged_by = state.key
+        for key in [k for k in self.references if k[:2] == (model, judged_by)]:
             del self.references[key]
-        for key in self._judged_layers(model, judged_by):
+        revisions = self.pins.pinned_to(model, judged_by)
+        for key in [k for k in self._evidence if k[0] == model and k[1] in revisions]:
             self._forget_layer(key)
-        for item in doc["references"]:
-            m, r, layer = item["key"]
+        for key, doc in state.references:
             if len(self.references) >= self.config.max_references:
                 self._make_room()
-            self.references[(str(m), str(r), int(layer))] = LengthReference.from_dict(item["reference"])
-        for item in doc["layers"]:
-            m, r, layer = item["key"]
-            key = (str(m), str(r), int(layer))
-            for table, name in ((self._cusum, "cusum"), (self._page_cusum, "page_cusum")):
-                if item[name] is None:
-                    table.pop(key, None)
-                else:
-                    table[key] = np.asarray(item[name], dtype=np.float64)
-            self._times[key] = deque((float(t) for t in item["times"]), maxlen=RATE_WINDOW)
+            self.references[key] = LengthReference.from_dict(dict(doc))
+        for layer in state.layers:
+            self._evidence[layer.key] = LayerEvidence.of(layer)
         self._references_version += 1
+
+    def key_state(self, model: str, judged_by: str) -> dict[str, Any]:
+        """:meth:`judge_state` in its JSON form (:meth:`KeyState.to_dict`)."""
+        return self.judge_state(model, judged_by).to_dict()
+
+    def restore_key(self, doc: Mapping[str, Any]) -> None:
+        """:meth:`install` from the JSON form."""
+        self.install(KeyState.from_dict(doc))
 
     def merge_state(self, doc: Mapping[str, Any]) -> None:
         """Merge references and decisions from a saved state (another instance, or
@@ -553,9 +476,7 @@ class Detector:
                              "references are learnt afresh")
         self.pins.merge(doc.get("decisions", []))
         for item in doc.get("references", []):
-            model, revision, layer = item["key"]
-            key = (str(model), str(revision), int(layer))
-            other_ref = LengthReference.from_dict(item["reference"])
+            key, other_ref = read_reference_item(item)
             mine_ref = self.references.get(key)
             merged = (other_ref if mine_ref is None or mine_ref.streams != other_ref.streams
                       else mine_ref.merge(other_ref))
@@ -567,5 +488,7 @@ class Detector:
             self.references.popitem(last=False)
 
 
-def _listed(values: NDArray[np.float64] | None) -> list[float] | None:
-    return None if values is None else [float(v) for v in values]
+
+def _statistic(old: NDArray[np.float64] | None, like: NDArray[np.float64]) -> NDArray[np.float64]:
+    """A layer's CUSUM statistics (zeros the first time)."""
+    return np.zeros_like(like) if old is None or old.shape != like.shape else old

@@ -28,6 +28,7 @@ from monitor.core._blocks import Scratch
 from monitor.core.detect import Ahead, Anomaly, Detector, DetectorConfig, Observation, Verdict
 from monitor.core.generation import learned_sink_mass, prompt_mass
 from monitor.core.join import RecentKeys
+from monitor.core.key_state import KeyState
 from monitor.core.mass import row_mass
 from monitor.core.metrics import HeadMetrics, head_metrics
 from monitor.errors import RejectReason, TraceRejected
@@ -260,14 +261,14 @@ class Measurer:
             out.append(verdict)
         return out
 
-    def key_states(self, keys: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    def key_states(self, keys: list[tuple[str, str]]) -> list[KeyState]:
         """The state of these judge keys (model, judged_by), as they stand now."""
-        return [self.detector.key_state(model, judged_by) for model, judged_by in keys]
+        return [self.detector.judge_state(model, judged_by) for model, judged_by in keys]
 
-    def restore(self, states: list[dict[str, Any]]) -> None:
+    def restore(self, states: list[KeyState]) -> None:
         """Install judge keys' states written by another instance (their partition moved here)."""
         for state in states:
-            self.detector.restore_key(state)
+            self.detector.install(state)
 
     def _decode(self, record: Record) -> Trace | Rejected:
         try:

@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from monitor.core.detect import Verdict
+from monitor.core.key_state import KeyState
 from monitor.measuring import ring as ring_module
 from monitor.measuring.child import Child, Chunk, Command, Placed, execute
 from monitor.measuring.judge import Judge
@@ -180,11 +181,11 @@ class Measuring:
         :meth:`Measurer.judge_forwarded`)."""
         return self._judge.command(Command.JUDGE_FORWARDED, (entries, again))
 
-    def key_states(self, keys: list[tuple[str, str]]) -> Future[list[dict[str, Any]]]:
+    def key_states(self, keys: list[tuple[str, str]]) -> Future[list[KeyState]]:
         """The state of these judge keys once everything queued before is judged."""
         return self._judge.command(Command.KEY_STATES, (keys,))
 
-    def restore(self, states: list[dict[str, Any]]) -> Future[None]:
+    def restore(self, states: list[KeyState]) -> Future[None]:
         """Install judge keys' states before anything queued after."""
         return self._judge.command(Command.RESTORE, (states,))
 

@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from monitor.core.key_state import KeyState
 from monitor.errors import RejectReason, TraceRejected
 
 __all__ = ["MARKER", "encode_round", "latest_round"]
@@ -29,22 +30,17 @@ __all__ = ["MARKER", "encode_round", "latest_round"]
 MARKER = b"\x00round"
 
 
-def encode_round(states: Iterable[Mapping[str, Any]], offset: int,
+def encode_round(states: Iterable[KeyState | Mapping[str, Any]], offset: int,
                  incidents: Iterable[Mapping[str, Any]] = ()) -> list[tuple[bytes, bytes]]:
-    """(key, value) records of a round of ``states`` (each a ``key_state``) that has
-    taken in the observations below ``offset``; the marker last, with the open
-    ``incidents`` of the revisions those keys judge."""
+    """(key, value) records of a round of ``states`` (:class:`KeyState`, or its JSON
+    form) that has taken in the observations below ``offset``; the marker last, with the
+    open ``incidents`` of the revisions those keys judge."""
     out = []
     for state in states:
-        layers: dict[int, dict[str, list[Any]]] = {}
-        for name in ("references", "layers"):
-            for item in state[name]:
-                layers.setdefault(int(item["key"][2]), {"references": [], "layers": []})[name].append(item)
-        for layer, parts in sorted(layers.items()):
-            key = f"{state['model']}\x00{state['judged_by']}\x00{layer}".encode()
-            doc = {"version": state["version"], "model": state["model"], "judged_by": state["judged_by"],
-                   "offset": offset, **parts}
-            out.append((key, json.dumps(doc, separators=(",", ":")).encode()))
+        whole = state if isinstance(state, KeyState) else KeyState.from_dict(state)
+        for layer, part in whole.by_layer():
+            key = f"{whole.model}\x00{whole.judged_by}\x00{layer}".encode()
+            out.append((key, json.dumps({**part.to_dict(), "offset": offset}, separators=(",", ":")).encode()))
     out.append((MARKER, json.dumps({"offset": offset, "incidents": list(incidents)}).encode()))
     return out
 
@@ -52,30 +48,23 @@ def encode_round(states: Iterable[Mapping[str, Any]], offset: int,
 def latest_round(records: Iterable[tuple[bytes | None, bytes | None]]
                  ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]] | None:
     """The latest round among a partition's records, in offset order: its offset, the
-    judge keys' states (as :meth:`~monitor.core.detect.Detector.restore_key` takes them)
-    and the open incidents; None when no round was written. :class:`TraceRejected`
-    (``malformed``) for a record that cannot be read."""
+    judge keys' states (:meth:`KeyState.to_dict`'s form) and the open incidents; None when
+    no round was written. :class:`TraceRejected` (``malformed``) for a record that cannot
+    be read."""
     marker: int | None = None
     incidents: list[dict[str, Any]] = []
-    latest: dict[bytes, dict[str, Any]] = {}
+    latest: dict[bytes, tuple[int, KeyState]] = {}
     for key, value in records:
         try:
             doc = json.loads(value or b"")
             if key == MARKER:
                 marker, incidents = int(doc["offset"]), list(doc.get("incidents", []))
             elif key is not None:
-                latest[key] = doc
+                latest[key] = (int(doc["offset"]), KeyState.from_dict(doc))
         except (ValueError, TypeError, KeyError) as exc:
             raise TraceRejected(RejectReason.MALFORMED, f"judge state record {key!r}: {exc}") from exc
     if marker is None:
         return None
-    states: dict[tuple[str, str], dict[str, Any]] = {}
-    for doc in latest.values():
-        if doc.get("offset") != marker:
-            continue  # an earlier round's: its key has no state in the latest one
-        pair = (str(doc["model"]), str(doc["judged_by"]))
-        state = states.setdefault(pair, {"version": doc["version"], "model": pair[0], "judged_by": pair[1],
-                                         "references": [], "layers": []})
-        state["references"] += doc["references"]
-        state["layers"] += doc["layers"]
-    return marker, list(states.values()), incidents
+    # an earlier round's record: its key has no state in the latest one
+    parts = [part for offset, part in latest.values() if offset == marker]
+    return marker, [state.to_dict() for state in KeyState.joined(parts)], incidents

@@ -39,7 +39,7 @@ from monitor.broker.group import GroupMember, client_versions
 from monitor.broker.outputs import OutputProducer
 from monitor.broker.tables import TableReader
 from monitor.broker.tail import read_back, read_range
-from monitor.core.detect import STATE_VERSION
+from monitor.core.key_state import KeyState
 from monitor.core.pins import Pins
 from monitor.errors import ExitCode, InfrastructureError, MeasuringFailed, TraceRejected
 from monitor.measuring.measurer import MeasurerSpec
@@ -376,8 +376,9 @@ class Service:
             log.warning("observations partition %d: its judges' state was written at offset %d, beyond the "
                         "committed %d; it is not this group's, they learn afresh", partition, found[0], committed)
             found = None
-        start, states, incidents = (None, [], []) if found is None else found
-        replayed, keys = [], {(s["model"], s["judged_by"]) for s in states}
+        start, docs, incidents = (None, [], []) if found is None else found
+        states = [KeyState.from_dict(doc) for doc in docs]
+        replayed, keys = [], {state.key for state in states}
         for _, key, value in read_range(kafka, self.topics.observations, partition, start, committed):
             try:
                 judge, entries = observations.read(key, value)
@@ -385,9 +386,7 @@ class Service:
                 replayed += entries
             except TraceRejected:
                 continue  # refused when it was first judged; nothing to rebuild from it
-        fresh = keys - {(s["model"], s["judged_by"]) for s in states}
-        empty = [{"version": STATE_VERSION, "model": m, "judged_by": r, "references": [], "layers": []}
-                 for m, r in sorted(fresh)]
+        empty = [KeyState(m, r) for m, r in sorted(keys - {state.key for state in states})]  # begun after the round
         measuring.restore([*states, *empty])
         # judged again to rebuild the evidence; their records were written when first judged
         verdicts = measuring.judge_forwarded(replayed, again=True).result() if replayed else []

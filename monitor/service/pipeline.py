@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from monitor.core.detect import Anomaly, Verdict
 from monitor.core.incidents import Change, IncidentTracker
 from monitor.core.join import JoinBuffer, Joined
+from monitor.core.key_state import KeyState
 from monitor.core.metrics import HeadMetrics
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
@@ -91,7 +92,7 @@ class _Judging:
     verdicts: Future[list[Verdict | Duplicate | Rejected]] | None
     #: a round of the judges' state after this batch: their states, and per owned
     #: observations partition the offset the round has taken in and the keys on it
-    states: Future[list[dict[str, Any]]] | None = None
+    states: Future[list[KeyState]] | None = None
     rounds: dict[int, tuple[int, list[tuple[str, str]]]] = field(default_factory=dict)
 
 
@@ -206,7 +207,7 @@ class Pipeline:
         """A round of the judges' state for each owned observations partition, to the same
         partition of the judge-state topic (``monitor.protocol.judge_state``)."""
         assert judging.states is not None
-        states = {(s["model"], s["judged_by"]): s for s in judging.states.result()}
+        states = {s.key: s for s in judging.states.result()}
         out = []
         for partition, (offset, keys) in sorted(judging.rounds.items()):
             source = (self.topics.observations, partition, offset)
