@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,14 @@ class TapCounts:
     dropped: int  #: refused because the queue was full (the forward pass never waits)
     failed: int  #: the sink raised, or capturing raised (the forward pass is never affected)
     queued: int  #: waiting to be handed to the sink now
+    #: what the tap served untraced, by reason (see ``AttentionTap.counts``): requests, or
+    #: forward passes for the reasons about passes
+    untraced: Mapping[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
+        untraced = "".join(f" untraced[{reason}]={n}" for reason, n in sorted(self.untraced.items()))
         return (f"sampled={self.sampled} published={self.published} dropped={self.dropped} failed={self.failed} "
-                f"queued={self.queued}")
+                f"queued={self.queued}{untraced}")
 
 
 class Sender:
@@ -49,6 +53,7 @@ class Sender:
         self._changed = threading.Condition()
         self._closed = False
         self._sampled = self._published = self._dropped = self._failed = 0
+        self._untraced: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._run, name="attention-tap-sender", daemon=True)
         self._thread.start()
 
@@ -70,6 +75,13 @@ class Sender:
         with self._changed:
             self._sampled += traces
             self._failed += traces
+
+    def untraced(self, reason: str, count: int = 1) -> bool:
+        """Count something served untraced for ``reason``; True the first time the reason is seen."""
+        with self._changed:
+            first = reason not in self._untraced
+            self._untraced[reason] += count
+            return first
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued was handed to the sink; False on timeout."""
@@ -93,7 +105,8 @@ class Sender:
 
     def counts(self) -> TapCounts:
         with self._changed:
-            return TapCounts(self._sampled, self._published, self._dropped, self._failed, self._waiting + self._busy)
+            return TapCounts(self._sampled, self._published, self._dropped, self._failed, self._waiting + self._busy,
+                             dict(self._untraced))
 
     def _run(self) -> None:
         while True:

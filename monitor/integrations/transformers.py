@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import inspect
 import logging
 import socket
@@ -59,9 +58,11 @@ import torch
 from numpy.typing import NDArray
 
 from monitor.integrations.attention_wrapper import AttentionWrapper
+from monitor.integrations.continuous_batching import ContinuousBatching, Stream
 from monitor.integrations.decoding import DecodeRows, Step
 from monitor.integrations.hf_contract import contract_from_config, model_revision, weights_revision
 from monitor.integrations.recompute import learned_sinks, row_weights
+from monitor.integrations.row_sampling import rank, request_sampled, row_seed
 from monitor.integrations.sender import Sender, TapCounts
 from monitor.protocol.model_contract import ModelContract
 from monitor.protocol.schema import Scope, TraceHeader, check_identifier
@@ -153,8 +154,14 @@ class AttentionTap(AttentionWrapper):
                 sample_rate=max(sample_rate, 1e-9), scope=scope, producer_id=producer_id, timestamp=0.0)
             for layer in self._contract.layers}
         send = sink.send if hasattr(sink, "send") else sink
-        self._sender = Sender(lambda trace: send(*trace), queue_size, self._traces)
-        self._hook = model.register_forward_pre_hook(self._remember_padding, with_kwargs=True)
+        self._sender = Sender(lambda trace: send(*trace), queue_size, self._expand)
+        self._batching = ContinuousBatching(
+            rows=rows, decode_rows=decode_rows, layers=self.layers, scope=scope, sampled=self.sampled,
+            row_seed=lambda request_id: row_seed(seed, request_id), traceable=self._traceable,
+            publish=lambda stream: self._sender.offer(stream, traces=len(stream.layers)), untraced=self._untraced,
+            layer_of=self.layer)
+        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._after = model.register_forward_hook(lambda *_: self._batching.after_forward())
         self._forward = inspect.signature(model.forward)
         super().__init__(model, "attention-monitor-tap")
 
@@ -167,12 +174,16 @@ class AttentionTap(AttentionWrapper):
     def sampled(self, request_id: str) -> bool:
         """Whether traces of ``request_id`` are taken: a hash of the id and the seed,
         below the sample rate."""
-        digest = hashlib.sha256(f"{self.seed}\0{request_id}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.sample_rate
+        return request_sampled(self.seed, request_id, self.sample_rate)
 
-    def _row_seed(self, request_id: str) -> int:
-        digest = hashlib.sha256(f"{self.seed}\0{request_id}\0rows".encode()).digest()
-        return int.from_bytes(digest[:8], "big")
+    def identify(self, engine_request_id: str, request_id: str, *, scope: Scope | None = None) -> None:
+        """Under continuous batching, trace the engine's request ``engine_request_id`` (the
+        id given to ``add_request``) under ``request_id`` (the id the client and the
+        outcome know, e.g. an HTTP completion id), in ``scope`` (the tap's by default).
+        Call it before adding the request; sampling then follows ``request_id``. Without
+        it a request is traced under its engine id (``generate_batch``'s own ids)."""
+        check_identifier(request_id, "request id")
+        self._batching.identify(engine_request_id, request_id, scope)
 
     @contextlib.contextmanager
     def request(self, request_id: str | Sequence[str], *, scope: Scope | None = None) -> Iterator[None]:
@@ -203,21 +214,54 @@ class AttentionTap(AttentionWrapper):
         return self._sender.counts()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued trace was handed to the sink; False on timeout."""
+        """Wait until every queued trace was handed to the sink; False on timeout. The
+        traces of continuous-batching requests that left their manager without a last
+        output (cancelled, or the manager stopped) go first."""
+        self._batching.sweep()
         return self._sender.flush(timeout)
 
     def detach(self, timeout: float | None = None) -> TapCounts:
-        """Flush, restore the model's own attention implementation and log the counts."""
+        """Publish what is traced (a continuous-batching request still running: the rows it
+        has so far), flush, stop wrapping the model's attention and log the counts."""
         if self.attached:
             self.restore()
             self._hook.remove()
+            self._after.remove()
+            self._batching.close()
             self._sender.close(timeout)
             log.info("attention tap detached from %s: %s", self._contract.model_id, self.counts.line())
         return self.counts
 
     # --- inside the forward pass ---------------------------------------------------------
 
-    def _remember_padding(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            if self._batching.before_forward(kwargs):
+                return
+            self._remember_padding(args, kwargs)
+        except Exception as exc:  # the tap never breaks the forward pass
+            self._sender.failed()
+            log.warning("attention tap: reading the forward pass's inputs failed: %s: %s", type(exc).__name__, exc)
+
+    def _traceable(self, request_id: str) -> bool:
+        try:
+            check_identifier(request_id, "request id")
+        except ValueError as exc:
+            if not request_id.startswith("__warmup"):  # continuous batching's own warm-up requests
+                self._untraced("request_id", f"{exc}: such requests are served untraced")
+            return False
+        return True
+
+    def _untraced(self, reason: str, message: str) -> None:
+        """Count something served untraced; say why once."""
+        if self._sender.untraced(reason):
+            log.warning("attention tap on %s: %s (counted in tap.counts.untraced[%r])", self._contract.model_id,
+                        message, reason)
+
+    def _expand(self, item: Any) -> list[tuple[Any, ...]]:
+        return item.traces(self._templates) if isinstance(item, Stream) else self._traces(item)
+
+    def _remember_padding(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before each forward of a sampled request: which keys are real tokens, as a 2-D
         mask of every key so far. ``generate`` passes the 2-D mask itself, except with a
         static cache, where it passes prepared 4-D masks: then the left padding is read
@@ -256,6 +300,13 @@ class AttentionTap(AttentionWrapper):
 
     def around(self, module: Any, output: Any, query: torch.Tensor, key: torch.Tensor,
                attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
+        if self._batching.active():
+            try:
+                self._batching.around(module, query, key, kwargs)
+            except Exception as exc:  # the tap never breaks the forward pass
+                self._sender.failed()
+                log.warning("attention tap: capturing failed: %s: %s", type(exc).__name__, exc)
+            return output
         state = _ACTIVE.get()
         if state is not None and state.tap is self and any(state.sampled):
             try:
@@ -358,9 +409,9 @@ class AttentionTap(AttentionWrapper):
             return None
         chosen = [b for b, k in zip(chosen, keep, strict=True) if k]
         on_host, among_real, queries = on_host[keep], among_real[keep], queries[keep]
-        seeds = np.array([self._row_seed(state.request_ids[b]) for b in chosen], dtype=np.uint64)
-        rank = np.where(queries, _rank(among_real.astype(np.uint64), seeds[:, None]), np.iinfo(np.uint64).max)
-        picked = np.argsort(rank, axis=1, kind="stable")[:, : self.rows]  # key positions, best ranked first
+        seeds = np.array([row_seed(self.seed, state.request_ids[b]) for b in chosen], dtype=np.uint64)
+        ranks = np.where(queries, rank(among_real.astype(np.uint64), seeds[:, None]), np.iinfo(np.uint64).max)
+        picked = np.argsort(ranks, axis=1, kind="stable")[:, : self.rows]  # key positions, best ranked first
         valid = np.take_along_axis(queries, picked, axis=1)
         counts = valid.sum(axis=1)
         last = np.where(valid, picked, -1).max(axis=1, keepdims=True)
@@ -442,19 +493,6 @@ def _sink_layers(model: Any) -> frozenset[int] | None:
     found = {int(m.layer_idx) for m in model.modules()
              if learned_sinks(m) is not None and isinstance(getattr(m, "layer_idx", None), int)}
     return frozenset(found) or None
-
-
-def _rank(index: NDArray[np.uint64], seed: NDArray[np.uint64]) -> NDArray[np.uint64]:
-    """A 64-bit mixing hash of (seed, index) (splitmix64's finaliser): ranking a
-    sequence's candidate rows by it picks a reproducible, well-spread sample."""
-    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the point
-        x = (index + seed) * np.uint64(0x9E3779B97F4A7C15)
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    return x
 
 
 def _module_scale(model: Any) -> float | None:

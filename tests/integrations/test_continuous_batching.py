@@ -1,16 +1,23 @@
 """The tap under transformers' own continuous batching (a paged KV cache, packed batches,
 requests joining and leaving): the model serves exactly as untapped, whether the tap is
 attached before the manager starts or while it runs, under every implementation
-continuous batching accepts on CPU (sdpa, and paged|eager for gpt-oss)."""
+continuous batching accepts on CPU (sdpa, and paged|eager for gpt-oss); every sampled
+request is traced under its own id, once, when it finishes; every row, prompt (also
+prefilled in chunks, or after a shared prefix) and decoding step alike, is the dense
+eager row at its position within 1e-3, and a learned sink's mass what the eager row
+leaves to it."""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from monitor.integrations.transformers import attach
+from monitor.protocol.access import Keyring, ScopePolicy
+from monitor.protocol.codec import decode, encode
 from monitor.protocol.schema import Scope
 from tests.integrations.models import continuous_batching_config, greedy, sharpened
 
@@ -60,21 +67,59 @@ class Collect:
         self.traces.append((header, weights, sink))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
-def test_generate_batch_serves_the_same_tokens_with_the_tap(name):
-    model, _ = sharpened(name)
+def check_rows(traces, eager, sequences: dict[str, list[int]], prompt_lengths: dict[str, int]) -> int:
+    """Each trace's rows against the eager model run once over its whole sequence (the
+    tokens up to the last row); returns how many decoding rows were checked."""
+    decoding = 0
+    for header, weights, sink in traces:
+        tokens = sequences[header.request_id][: header.key_count]
+        assert len(tokens) == header.key_count
+        with torch.no_grad():
+            layer = eager(input_ids=torch.tensor([tokens]), output_attentions=True).attentions[header.layer][0].numpy()
+        expected = layer[:, list(header.query_positions)]
+        assert weights.shape == expected.shape
+        np.testing.assert_allclose(weights.astype(np.float32), expected, atol=1e-3)
+        if sink is not None:
+            np.testing.assert_allclose(sink.astype(np.float32), 1.0 - expected.sum(-1), atol=1e-3)
+        if header.prompt_length is not None:
+            assert header.prompt_length == prompt_lengths[header.request_id]
+            decoding += sum(p >= header.prompt_length for p in header.query_positions)
+        else:
+            assert header.key_count == prompt_lengths[header.request_id]
+    return decoding
+
+
+@pytest.mark.parametrize(("name", "batch_tokens"), [("llama", 256), ("llama", 24), ("gpt_oss", 24)])
+def test_generate_batch_serves_the_same_tokens_and_traces_every_request_at_its_positions(name, batch_tokens):
+    """24 tokens a batch: every longer prompt is prefilled in chunks, beside other requests' steps."""
+    model, eager = sharpened(name)
     inputs = prompts(6)
-    config = dict(generation_config=greedy(6), continuous_batching_config=continuous_batching_config())
+    config = dict(generation_config=greedy(6), continuous_batching_config=continuous_batching_config(
+        max_batch_tokens=batch_tokens))
     untapped = {k: v.generated_tokens for k, v in model.generate_batch(inputs=inputs, **config).items()}
     implementation = model.config._attn_implementation
-    tap = attach(model, Collect(), sample_rate=1.0, scope=SCOPE, revision="r1")
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0, rows=5, decode_rows=3, scope=SCOPE, revision="r1")
     try:
         tapped = {k: v.generated_tokens for k, v in model.generate_batch(inputs=inputs, **config).items()}
         assert model.config._attn_implementation == implementation  # restored by the manager, never renamed
     finally:
-        tap.detach(timeout=30)
-    assert tapped == untapped
-    assert len(untapped) == 6
+        counts = tap.detach(timeout=30)
+    assert tapped == untapped and len(untapped) == 6
+    assert (counts.published, counts.failed, dict(counts.untraced)) == (12, 0, {}), counts.line()
+    assert sorted((h.request_id, h.layer) for h, _, _ in sink.traces) == [(f"req_{i}", n) for i in range(6)
+                                                                          for n in (0, 1)]
+    sequences = {f"req_{i}": p + tapped[f"req_{i}"] for i, p in enumerate(inputs)}
+    decoding = check_rows(sink.traces, eager, sequences, {f"req_{i}": len(p) for i, p in enumerate(inputs)})
+    assert decoding == 12 * 4  # three steps spread over the five, and the last
+    contract, secret = tap.contract(), b"0123456789abcdef"
+    keyring, scopes = Keyring({"k": secret}), ScopePolicy.parse(["team-a:internal"])
+    for header, weights, mass in sink.traces:
+        assert header.key_count == len(sequences[header.request_id]) - 1  # the last token is never attended
+        assert sum(p < header.prompt_length for p in header.query_positions) == 5
+        decoded = decode(encode(header, weights, "k", secret, mass), keyring=keyring, scopes=scopes,
+                         contracts={contract.contract_id: contract})  # the monitor takes them as they are
+        assert (decoded.sink is None) == (name != "gpt_oss")
 
 
 def test_attaching_and_detaching_while_a_manager_runs_never_changes_a_token():
@@ -94,3 +139,123 @@ def test_attaching_and_detaching_while_a_manager_runs_never_changes_a_token():
     assert tapped == untapped
     assert [len(tapped[f"r{i}"]) for i in range(8)] == lengths
     assert taps and not taps[0].attached
+
+
+def drain(manager, until, tokens=None, finished=None, deadline_s: float = 120) -> dict[str, list[int]]:
+    """Outputs as they come (streamed ones too) into ``tokens`` (request id → its tokens so
+    far), until ``until(finished)`` holds for the ids finished (kept in ``finished``)."""
+    tokens = {} if tokens is None else tokens
+    finished = set() if finished is None else finished
+    deadline = time.monotonic() + deadline_s
+    while not until(finished) and time.monotonic() < deadline:
+        output = manager.get_result(timeout=0.5)
+        if output is not None:
+            assert output.error is None, output.error
+            tokens[output.request_id] = list(output.generated_tokens)
+            if output.is_finished():
+                finished.add(output.request_id)
+    assert until(finished), f"finished: {sorted(finished)}"
+    return tokens
+
+
+def test_requests_joining_and_leaving_sampled_or_not_traced_once_under_their_own_ids():
+    model, eager = sharpened("llama")
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=0.5, seed=3, rows=4, decode_rows=2, scope=SCOPE, revision="r1")
+    manager = model.init_continuous_batching(generation_config=greedy(10),
+                                             continuous_batching_config=continuous_batching_config(max_batch_tokens=32))
+    inputs = prompts(8, seed=5)
+    first = [f"a{i}" for i in range(4)]
+    # a second wave joins while the first runs: one shares the first request's 40-token prefix (its
+    # cached blocks are reused, so that request computes from position 32), one is served under an id
+    # of the caller's (a completion id) and another scope
+    candidates = [f"b{i}" for i in range(40)]
+    sharing = next(c for c in candidates if tap.sampled(c))
+    plain = [c for c in candidates if c != sharing][:2]
+    completion = next(f"chatcmpl-{i}" for i in range(40) if tap.sampled(f"chatcmpl-{i}"))
+    other_scope = Scope(tenant="team-b", data_class="internal")
+    prompt_of = dict(zip(first, inputs[:4], strict=True))
+    prompt_of[sharing] = inputs[0][:40] + inputs[4][:10]
+    prompt_of.update(zip(plain, inputs[5:7], strict=True))
+    prompt_of["engine-7"] = inputs[7]
+    manager.start()
+    try:
+        for i, rid in enumerate(first):
+            manager.add_request(prompt_of[rid], request_id=rid, max_new_tokens=4 + 2 * i)
+        tokens: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        drain(manager, lambda done: "a0" in done, tokens, finished)
+        assert tap.flush(timeout=30)
+        if tap.sampled("a0"):  # published when it finished, while the others still run
+            assert {h.layer for h, _, _ in sink.traces if h.request_id == "a0"} == {0, 1}
+        tap.identify("engine-7", completion, scope=other_scope)
+        for rid in [sharing, *plain, "engine-7"]:
+            manager.add_request(prompt_of[rid], request_id=rid, max_new_tokens=5)
+        drain(manager, lambda done: len(done) == 8, tokens, finished)
+    finally:
+        manager.stop(block=True, timeout=30)
+    counts = tap.detach(timeout=30)
+    traced_as = {rid: rid for rid in prompt_of} | {"engine-7": completion}
+    expected = sorted(traced_as[rid] for rid in prompt_of if tap.sampled(traced_as[rid]))
+    assert 2 <= len(expected) < 8  # sampled and unsampled requests shared the batches
+    published = sorted((h.request_id, h.layer) for h, _, _ in sink.traces)
+    assert published == [(rid, n) for rid in expected for n in (0, 1)]  # each once, under its own id
+    assert (counts.published, counts.failed) == (2 * len(expected), 0)
+    sequences = {traced_as[rid]: prompt_of[rid] + tokens[rid] for rid in prompt_of}
+    check_rows(sink.traces, eager, sequences, {traced_as[rid]: len(prompt_of[rid]) for rid in prompt_of})
+    assert all(h.scope == other_scope for h, _, _ in sink.traces if h.request_id == completion)
+    assert all(h.scope == SCOPE for h, _, _ in sink.traces if h.request_id != completion)
+    shared = [h for h, _, _ in sink.traces if h.request_id == sharing]
+    assert all(p >= 32 for h in shared for p in h.query_positions)  # the prefix's rows were never computed
+
+
+def test_a_cancelled_request_is_published_with_the_rows_it_got_and_the_others_run_on():
+    model, eager = sharpened("llama")
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0, rows=3, decode_rows=3, scope=SCOPE, revision="r1")
+    manager = model.init_continuous_batching(generation_config=greedy(60),
+                                             continuous_batching_config=continuous_batching_config())
+    inputs = prompts(2, seed=9)
+    manager.start()
+    try:
+        manager.add_request(inputs[0], request_id="long", max_new_tokens=60, streaming=True)
+        manager.add_request(inputs[1], request_id="short", max_new_tokens=20)
+        tokens: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while len(tokens.get("long", [])) < 5 and time.monotonic() < deadline:
+            output = manager.get_result(timeout=0.5)
+            if output is not None:
+                tokens[output.request_id] = list(output.generated_tokens)
+        manager.cancel_request("long")
+        tokens.update(drain(manager, lambda done: "short" in done))
+    finally:
+        manager.stop(block=True, timeout=30)
+    while (output := manager.get_result(timeout=0.1)) is not None:  # streamed outputs still queued
+        tokens[output.request_id] = list(output.generated_tokens)
+    counts = tap.detach(timeout=30)
+    assert counts.failed == 0 and len(tokens["short"]) == 20
+    cancelled = [h for h, _, _ in sink.traces if h.request_id == "long"]
+    assert sorted(h.layer for h in cancelled) == [0, 1]  # once, with what it had
+    assert all(5 <= h.key_count - len(inputs[0]) < 60 for h in cancelled)
+    check_rows(sink.traces, eager, {"long": inputs[0] + tokens["long"], "short": inputs[1] + tokens["short"]},
+               {"long": len(inputs[0]), "short": len(inputs[1])})
+
+
+def test_requests_it_cannot_name_are_served_untraced_and_counted(caplog):
+    model, _ = sharpened("llama")
+    untapped = serve(model, prompts(2), [4, 4])
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0, scope=SCOPE, revision="r1")
+    manager = model.init_continuous_batching(generation_config=greedy(4),
+                                             continuous_batching_config=continuous_batching_config())
+    manager.add_request(prompts(2)[0], request_id="has space", max_new_tokens=4)
+    manager.add_request(prompts(2)[1], request_id="r1", max_new_tokens=4)
+    manager.start()
+    try:
+        tokens = drain(manager, lambda done: len(done) == 2)
+    finally:
+        manager.stop(block=True, timeout=30)
+    counts = tap.detach(timeout=30)
+    assert tokens == {"has space": untapped["r0"], "r1": untapped["r1"]}
+    assert counts.untraced == {"request_id": 1} and {h.request_id for h, _, _ in sink.traces} == {"r1"}
+    assert "counted in tap.counts.untraced['request_id']" in caplog.text
