@@ -1,7 +1,7 @@
 """The measuring child process and the commands a measurer takes.
 
-A :class:`Child` is one spawned process running a :class:`~monitor.measuring.measurer.Measurer`
-that observes (see :mod:`monitor.measuring.workers` for how the service feeds one or
+A :class:`Child` is one spawned process running a :class:`~monitor.measuring.measurer.Observer`
+(it only observes: see :mod:`monitor.measuring.workers` for how the service feeds one or
 several): commands go down one pipe and results come back up another, read by one
 thread, in order. A chunk's records arrive either whole or as places in the shared ring
 (:class:`Placed`, :mod:`monitor.measuring.ring`), read there without a copy: where the
@@ -27,7 +27,7 @@ from typing import Any
 
 from monitor.errors import MeasuringFailed
 from monitor.measuring import ring as ring_module
-from monitor.measuring.measurer import Measurer, MeasurerSpec
+from monitor.measuring.measurer import Measurer, MeasurerSpec, Observer
 from monitor.measuring.tuning import collect_less, reuse_freed_memory
 from monitor.protocol.records import Record
 
@@ -75,11 +75,22 @@ class Command(Enum):
     STOP = "stop"  #: (): the child leaves
 
 
-def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
-    """Carry out one command on ``measurer``."""
+#: what an observer (a measuring process, or the thread that stands for one) carries out
+OBSERVING = (Command.OBSERVE, Command.SET_CONTRACTS, Command.PING)
+
+
+def execute(measurer: Observer, command: Command, args: tuple[Any, ...], ring: memoryview | None = None) -> Any:
+    """Carry out one command on ``measurer``: an :class:`Observer` carries out those of
+    ``OBSERVING``, the judge's :class:`Measurer` every one."""
     if command is Command.OBSERVE:
         chunk = args[0]
         return measurer.observe(chunk.records(ring) if isinstance(chunk, Placed) else chunk)
+    if command is Command.SET_CONTRACTS:
+        return measurer.set_contracts(args[0])
+    if command is Command.PING:
+        return None
+    if not isinstance(measurer, Measurer):
+        raise ValueError(f"{command} is the judge's, not an observer's")
     if command is Command.JUDGE:
         return measurer.judge(args[0])
     if command is Command.JUDGE_FORWARDED:
@@ -88,8 +99,6 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.key_states(args[0])
     if command is Command.RESTORE:
         return measurer.restore(args[0])
-    if command is Command.SET_CONTRACTS:
-        return measurer.set_contracts(args[0])
     if command is Command.FORGET:
         return measurer.forget(args[0])
     if command is Command.DECIDE:
@@ -98,8 +107,6 @@ def execute(measurer: Measurer, command: Command, args: tuple[Any, ...], ring: m
         return measurer.remember(args[0])
     if command is Command.STATE:
         return measurer.detector.state_dict()
-    if command is Command.PING:
-        return None
     raise ValueError(f"{command} is not executed by a measurer")
 
 
@@ -200,7 +207,7 @@ def _serve(requests: Connection, results_end: Connection, spec: MeasurerSpec, ri
     if spec.reuse_freed_memory:
         reuse_freed_memory()
     ring = ring_module.attach(ring_path)
-    measurer = spec.build()
+    measurer = spec.observer()  # it only measures: the judge is in the service's process
     collect_less()  # see monitor.measuring.tuning
     while True:
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -139,7 +139,12 @@ class MeasurerSpec:
     #: de-duplicated, and judged where their stream's observations arrive
     judges: bool = True
 
+    def observer(self) -> Observer:
+        """What a measuring child builds: it observes, and holds no detector or window."""
+        return Observer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), limits=self.limits)
+
     def build(self) -> Measurer:
+        """The judge's measurer (it may observe too: :class:`Observer`)."""
         detector = Detector(self.detector)
         if self.state is not None:
             detector.merge_state(self.state)
@@ -147,28 +152,15 @@ class MeasurerSpec:
                         limits=self.limits, dedupe_window=self.dedupe_window, judges=self.judges)
 
 
-class Measurer:
-    def __init__(
-        self,
-        *,
-        keyring: Keyring,
-        scopes: ScopePolicy,
-        contracts: ContractTable,
-        detector: Detector,
-        limits: Limits | None = None,
-        dedupe_window: int = 100_000,
-        judges: bool = True,
-    ):
-        self.keyring, self.scopes, self.contracts = keyring, scopes, contracts
-        self.detector = detector
-        self.judges = judges
-        self.limits = limits or Limits()
-        self.recent = RecentKeys(dedupe_window)
-        self._scratch = Scratch()
+class Observer:
+    """Decodes, verifies and measures trace records: what a measuring process does, and
+    all it does (no detector, no de-duplication window)."""
 
-    def measure(self, records: list[Record]) -> list[Result]:
-        """Results in record order; never raises for anything a producer can send."""
-        return self.judge(self.observe(records))
+    def __init__(self, *, keyring: Keyring, scopes: ScopePolicy, contracts: ContractTable,
+                 limits: Limits | None = None):
+        self.keyring, self.scopes, self.contracts = keyring, scopes, contracts
+        self.limits = limits or Limits()
+        self._scratch = Scratch()
 
     def observe(self, records: list[Record]) -> ObservedChunk:
         """Decode, verify and measure, in record order; depends on no earlier record.
@@ -187,88 +179,6 @@ class Measurer:
         for (i, trace, spent), (metrics, shared, mass_ok) in zip(accepted, measured, strict=True):
             results[i] = self._checked(records[i], trace, metrics, spent + shared, mass_ok)
         return ObservedChunk(r for r in results if r is not None)
-
-    def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
-        """De-duplicate and run the detector, in the order given (record order). What
-        the detector can work out before judging is worked out for all the traces at
-        once (:meth:`Detector.ahead`; the verdicts are the same)."""
-        if not self.judges:
-            return [item if isinstance(item, Rejected) else
-                    Duplicate(item.identity.trace_id) if not self.recent.add(("trace", item.identity.trace_id)) else
-                    Measured(item.identity, item.heads, item.metrics, item.seconds) for item in observed]
-        started = time.perf_counter()
-        traces = [item for item in observed if isinstance(item, Observed)]
-        observations = [item.observation() for item in traces]
-        try:
-            worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
-        except Exception as exc:  # each trace is worked out alone below, and fails alone
-            log.error("judging %d traces together failed unexpectedly", len(observations), exc_info=exc)
-            worked_out = [None] * len(observations)
-        pending = iter(zip(observations, worked_out, strict=True))
-        shared = (time.perf_counter() - started) / max(len(traces), 1)  #: each trace's share of that
-        out: list[Result] = []
-        for item in observed:
-            if isinstance(item, Rejected):
-                out.append(item)
-                continue
-            observation, worked = next(pending)
-            trace_id = item.identity.trace_id
-            if not self.recent.add(("trace", trace_id)):
-                out.append(Duplicate(trace_id))
-                continue
-            started = time.perf_counter() - shared
-            try:
-                verdict = self.detector.observe(observation, worked)
-            except Exception as exc:  # a verified record must not stop the partition either
-                log.error("judging %s failed unexpectedly", trace_id, exc_info=exc)
-                out.append(Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None))
-                continue
-            for event in verdict.events:
-                log.info("%s", event)
-            out.append(Measured(item.identity, item.heads, item.metrics,
-                                item.seconds + time.perf_counter() - started, verdict))
-        return out
-
-    def judge_forwarded(self, entries: list[Forwarded], again: bool = False) -> list[Verdict | Duplicate | Rejected]:
-        """Judge traces measured elsewhere (``JUDGING=fleet``), in the order given, as
-        :meth:`judge` judges those measured here; a trace judged before is a
-        :class:`Duplicate` (the judge's own window, apart from the measuring side's).
-        ``again``: a partition's traces judged again to rebuild its judges' state after
-        it moved here; every one is judged (this instance may have judged them before it
-        lost the partition) and remembered."""
-        fresh = [e for e in entries if self.recent.add(("judged", e.identity.trace_id)) or again]
-        observations = [e.observation() for e in fresh]
-        try:
-            worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
-        except Exception as exc:  # each is judged alone below, and fails alone
-            log.error("judging %d forwarded traces together failed unexpectedly", len(fresh), exc_info=exc)
-            worked_out = [None] * len(fresh)
-        ahead = {id(e): (o, w) for e, o, w in zip(fresh, observations, worked_out, strict=True)}
-        out: list[Verdict | Duplicate | Rejected] = []
-        for entry in entries:
-            if id(entry) not in ahead:
-                out.append(Duplicate(entry.identity.trace_id))
-                continue
-            observation, worked = ahead[id(entry)]
-            try:
-                verdict = self.detector.observe(observation, worked)
-            except Exception as exc:  # one trace must not stop the partition
-                log.error("judging %s failed unexpectedly", entry.identity.trace_id, exc_info=exc)
-                out.append(Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None))
-                continue
-            for event in verdict.events:
-                log.info("%s", event)
-            out.append(verdict)
-        return out
-
-    def key_states(self, keys: list[tuple[str, str]]) -> list[KeyState]:
-        """The state of these judge keys (model, judged_by), as they stand now."""
-        return [self.detector.judge_state(model, judged_by) for model, judged_by in keys]
-
-    def restore(self, states: list[KeyState]) -> None:
-        """Install judge keys' states written by another instance (their partition moved here)."""
-        for state in states:
-            self.detector.install(state)
 
     def _decode(self, record: Record) -> Trace | Rejected:
         try:
@@ -344,6 +254,110 @@ class Measurer:
         return Observed(trace_identity(trace, record), tuple(trace.header.heads), kept,
                         spent + time.perf_counter() - started)
 
+    def set_contracts(self, contracts: list[ModelContract]) -> None:
+        table = ContractTable(max_contracts=max(len(contracts), 1))  # verified by the service already
+        for contract in contracts:
+            table.add(contract)
+        self.contracts = table
+
+
+class Measurer(Observer):
+    """The judge's side, in record order: de-duplication by trace id and the detector,
+    for traces observed here and traces measured elsewhere alike (:meth:`judge_forwarded`)."""
+
+    def __init__(
+        self,
+        *,
+        keyring: Keyring,
+        scopes: ScopePolicy,
+        contracts: ContractTable,
+        detector: Detector,
+        limits: Limits | None = None,
+        dedupe_window: int = 100_000,
+        judges: bool = True,
+    ):
+        super().__init__(keyring=keyring, scopes=scopes, contracts=contracts, limits=limits)
+        self.detector = detector
+        self.judges = judges
+        self.recent = RecentKeys(dedupe_window)
+
+    def measure(self, records: list[Record]) -> list[Result]:
+        """Results in record order; never raises for anything a producer can send."""
+        return self.judge(self.observe(records))
+
+    def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
+        """De-duplicate and (``judges``) run the detector, in the order given (record
+        order)."""
+        traces = [item for item in observed if isinstance(item, Observed)]
+        if not self.judges:
+            fresh = iter([self.recent.add(("trace", item.identity.trace_id)) for item in traces])
+            return [item if isinstance(item, Rejected) else Measured(item.identity, item.heads, item.metrics,
+                                                                     item.seconds)
+                    if next(fresh) else Duplicate(item.identity.trace_id) for item in observed]
+        verdicts = iter(self._verdicts(traces, "trace"))
+        out: list[Result] = []
+        for item in observed:
+            if isinstance(item, Rejected):
+                out.append(item)
+                continue
+            verdict, spent = next(verdicts)
+            out.append(verdict if not isinstance(verdict, Verdict) else
+                       Measured(item.identity, item.heads, item.metrics, item.seconds + spent, verdict))
+        return out
+
+    def judge_forwarded(self, entries: list[Forwarded], again: bool = False) -> list[Verdict | Duplicate | Rejected]:
+        """Judge traces measured elsewhere, in the order given, as :meth:`judge` judges
+        those observed here; a trace judged before is a :class:`Duplicate` (the judge's
+        own window, apart from the measuring side's). ``again``: a partition's traces
+        judged again to rebuild its judges' state after it moved here; every one is
+        judged (this instance may have judged them before it lost the partition) and
+        remembered."""
+        return [verdict for verdict, _ in self._verdicts(entries, "judged", again)]
+
+    def _verdicts(self, items: Sequence[Observed | Forwarded], window: str, again: bool = False
+                  ) -> list[tuple[Verdict | Duplicate | Rejected, float]]:
+        """The one way a trace is judged: skipped when its id is in ``window`` already
+        (unless ``again``), else the detector's verdict, with the seconds it took. What the
+        detector can work out before judging is worked out for all of them at once
+        (:meth:`Detector.ahead`; the verdicts are the same)."""
+        started = time.perf_counter()
+        fresh = [item for item in items if self.recent.add((window, item.identity.trace_id)) or again]
+        observations = [item.observation() for item in fresh]
+        try:
+            worked_out: list[Ahead | None] = list(self.detector.ahead(observations))
+        except Exception as exc:  # each is judged alone below, and fails alone
+            log.error("judging %d traces together failed unexpectedly", len(fresh), exc_info=exc)
+            worked_out = [None] * len(fresh)
+        ahead = {id(item): (o, w) for item, o, w in zip(fresh, observations, worked_out, strict=True)}
+        shared = (time.perf_counter() - started) / max(len(fresh), 1)  #: each trace's share of that
+        out: list[tuple[Verdict | Duplicate | Rejected, float]] = []
+        for item in items:
+            trace_id = item.identity.trace_id
+            if id(item) not in ahead:
+                out.append((Duplicate(trace_id), 0.0))
+                continue
+            observation, worked = ahead[id(item)]
+            started = time.perf_counter() - shared
+            try:
+                verdict = self.detector.observe(observation, worked)
+            except Exception as exc:  # a verified record must not stop the partition either
+                log.error("judging %s failed unexpectedly", trace_id, exc_info=exc)
+                out.append((Rejected(RejectReason.MALFORMED, f"internal error: {type(exc).__name__}", None), 0.0))
+                continue
+            for event in verdict.events:
+                log.info("%s", event)
+            out.append((verdict, time.perf_counter() - started))
+        return out
+
+    def key_states(self, keys: list[tuple[str, str]]) -> list[KeyState]:
+        """The state of these judge keys (model, judged_by), as they stand now."""
+        return [self.detector.judge_state(model, judged_by) for model, judged_by in keys]
+
+    def restore(self, states: list[KeyState]) -> None:
+        """Install judge keys' states written by another instance (their partition moved here)."""
+        for state in states:
+            self.detector.install(state)
+
     def remember(self, trace_ids: list[str]) -> None:
         """Treat these traces as processed already (their outputs were read back)."""
         for trace_id in trace_ids:
@@ -365,12 +379,6 @@ class Measurer:
                          "traces", d.model_id, d.revision, d.by)
             else:
                 log.info("%s %s pinned to the reference of %s (by %s)", d.model_id, d.revision, d.reference, d.by)
-
-    def set_contracts(self, contracts: list[ModelContract]) -> None:
-        table = ContractTable(max_contracts=max(len(contracts), 1))  # verified by the service already
-        for contract in contracts:
-            table.add(contract)
-        self.contracts = table
 
 
 @dataclass(frozen=True)

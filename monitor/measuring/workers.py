@@ -76,7 +76,7 @@ class ThreadObserver:
     """Observes in one worker thread of this process, in submission order."""
 
     def __init__(self, spec: MeasurerSpec):
-        self._measurer = spec.build()
+        self._measurer = spec.observer()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="measuring")
 
     def observe(self, chunk: list[Record], size: int) -> Future[Any]:
