@@ -257,10 +257,9 @@ class LayerSeries:
         self._heads: dict[str, list[tuple[str, Any]]] = {}
         self.anomalies = {kind: metrics.anomalies.labels(*key, kind) for kind in KINDS}
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
-        #: joined traces of the layer by outcome since start, as anomaly records carry them
-        self.outcome_counts = dict.fromkeys(OUTCOMES, 0)
-        #: the same, of the traces judged here (JUDGING=fleet: those of the whole fleet)
-        self.judged_outcomes = dict.fromkeys(OUTCOMES, 0)
+        #: the layer's traces judged here by the outcome they were joined to, since start, as
+        #: anomaly records carry them (the one tally; with JUDGING=fleet, of the whole fleet)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
         self.reference_traces = metrics.reference_traces.labels(*key)
@@ -329,15 +328,18 @@ class LayerSeries:
             self._metrics.reference_judge.labels(*self._key, value).set(1)
             self._judge = value
 
-    def observe_judged_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
-        """A trace judged here with the outcome it was joined to where it was measured
-        (JUDGING=fleet: that instance counted the trace's outcome, this one its anomalies')."""
-        self.judged_outcomes[outcome] += 1
+    def observe_joined(self, outcome: str) -> None:
+        """A trace measured here joined to its outcome (``attention_trace_outcomes``)."""
+        self.trace_outcomes[outcome].inc()
+
+    def observe_judged(self, outcome: str, kinds: Iterable[str]) -> None:
+        """A trace judged here, with the outcome it was joined to and its anomalies' kinds
+        (the tally, and ``attention_anomaly_outcomes``)."""
+        self.outcomes[outcome] += 1
         for kind in set(kinds):
             self.anomaly_outcomes[(kind, outcome)].inc()
 
     def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
-        self.outcome_counts[outcome] += 1
-        self.trace_outcomes[outcome].inc()
-        for kind in set(kinds):
-            self.anomaly_outcomes[(kind, outcome)].inc()
+        """A trace joined and judged here (JUDGING=instance): both of the above."""
+        self.observe_joined(outcome)
+        self.observe_judged(outcome, kinds)

@@ -16,7 +16,6 @@ in-process.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import threading
@@ -28,8 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from monitor.core.detect import Anomaly, Verdict
-from monitor.core.incidents import Change, IncidentTracker
+from monitor.core.detect import Verdict
 from monitor.core.join import JoinBuffer, Joined
 from monitor.core.key_state import KeyState
 from monitor.core.metrics import HeadMetrics
@@ -38,12 +36,12 @@ from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
 from monitor.measuring.workers import Measuring, results
 from monitor.protocol import judge_state, observations
 from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
-from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
 from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Output, Record, Source, TraceIdentity
 from monitor.protocol.schema import TaskOutcome
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import LayerSeries, MonitorMetrics
+from monitor.service.findings import Findings, Found, Mode
 
 __all__ = ["Batch", "Pipeline"]
 
@@ -76,8 +74,7 @@ class _Waiting:
 
     trace: TraceIdentity
     series: LayerSeries
-    anomalies: list[Anomaly] = field(default_factory=list)
-    evidence: dict[str, Any] | None = None  #: the anomalous trace beside its reference (anomaly records carry it)
+    found: Found | None = None  #: what judging it here found (JUDGING=instance), its records written when joined
     #: what its judge needs (JUDGING=fleet: forwarded once its outcome is known)
     heads: tuple[str, ...] = ()
     metrics: HeadMetrics | None = None
@@ -128,7 +125,8 @@ class Pipeline:
         self.metrics = metrics
         self.topics = topics or Topics()
         self.join: JoinBuffer[_Waiting] = JoinBuffer(join_ttl, join_max_entries)
-        self.incidents = IncidentTracker(incident_quiet)
+        self.findings = Findings(metrics, self.topics, incident_quiet, clock, wall_clock)
+        self.incidents = self.findings.incidents
         self._emitted: set[Source] = set()
         self._emitted_lock = threading.Lock()
         #: the join's watermark: the newest event time read on each stream, and when
@@ -197,7 +195,7 @@ class Pipeline:
                 outputs += self._outcome(record)
             self._progress[(record.topic, record.partition)] = record.offset + 1
         outputs += self._emit(self.join.expire(self._watermark()))
-        outputs += self._incident_records(self.incidents.expire(self._clock()), None)
+        outputs += self.findings.expire()
         outputs += self._forwarded()
         if judging is not None and judging.states is not None:
             outputs += self._state_round(judging)
@@ -224,15 +222,10 @@ class Pipeline:
         incidents of its latest round, then what its traces judged again since found,
         taken into them silently (their records were written when first judged), so a
         fault that goes on keeps its incident and pages no more."""
-        self.incidents.restore(incidents, self._clock())
+        self.findings.restore(incidents)
         for entry, verdict in judged:
-            if isinstance(verdict, Verdict) and verdict.anomalies:
-                ident, now = entry.identity, self._wall()
-                docs = [anomaly_record(ident.fields(), a, entry.outcome, now) for a in verdict.anomalies]
-                self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies, docs,
-                                       self._clock(), _opened_at(ident, now))
-        for incident in self.incidents.open.values():  # exported here now: its alert neither resolves nor pages again
-            self.metrics.layer(*incident.key, incident.layer).incident_open[incident.family].set(1)
+            self.findings.judged(entry.identity, verdict, entry.outcome, entry.identity.source, Mode.REPLAYED)
+        self.findings.export_open()
 
     def restored(self, partition: int, keys: Iterable[tuple[str, str]], committed: int) -> None:
         """An observations partition moved here, its judge keys' state installed as of
@@ -270,57 +263,16 @@ class Pipeline:
         ident = result.identity
         series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
         series.observe_trace(result.heads, result.metrics)
-        if self.fleet:  # judged where its stream's observations arrive, once its outcome is known
-            self.metrics.processing.observe(result.seconds)
-            self.metrics.trace_processed(self._wall())
-            waiting = _Waiting(ident, series, heads=result.heads, metrics=result.metrics)
-            at = self._event_time(record, "trace")
-            return self._emit(self.join.add_trace(ident.request_id, waiting, record.partition, record.offset, at))
-        series.observe_verdict(result.verdict)
-        if result.verdict.evicted:
-            self.metrics.references_evicted.inc(result.verdict.evicted)
-        for anomaly in result.anomalies:
-            series.observe_anomaly(anomaly.kind)
         self.metrics.processing.observe(result.seconds)
         self.metrics.trace_processed(self._wall())
-        outputs = []
-        evidence = None
-        if result.anomalies:
-            now = self._wall()
-            evidence = evidence_fields(result.verdict.evidence)
-            records = [anomaly_record(ident.fields(), anomaly, None, now, evidence) for anomaly in result.anomalies]
-            changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer,
-                                             result.anomalies, records, self._clock(), now)
-            outputs += self._incident_records(changes, record)
-        waiting = _Waiting(ident, series, result.anomalies, evidence)
+        if self.fleet:  # judged where its stream's observations arrive, once its outcome is known
+            waiting = _Waiting(ident, series, heads=result.heads, metrics=result.metrics)
+            outputs: list[Output] = []
+        else:
+            outputs, found = self.findings.judged(ident, result.verdict, None, _source(record))
+            waiting = _Waiting(ident, series, found)
         at = self._event_time(record, "trace")
-        joined = self.join.add_trace(ident.request_id, waiting, record.partition, record.offset, at)
-        return outputs + self._emit(joined)
-
-    def _incident_records(self, changes: list[Change], record: Record | None) -> list[Output]:
-        """Incident records (opened, updated, closed) for the anomalies topic, and the
-        gauges of the incident's primary layer."""
-        out = []
-        for change in changes:
-            incident = change.incident
-            model, revision = incident.key
-            series = self.metrics.layer(model, revision, incident.layer)
-            if change.what == "opened":
-                series.incident_open[incident.family].set(1)
-                series.incidents[incident.family].inc()
-                log.warning("incident opened: %s", incident.id)
-            elif change.what == "closed":
-                series.incident_open[incident.family].set(0)
-                log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
-            else:
-                layers = ", ".join(f"{a.layer} ({a.relation}{', paged' if a.paged else ''})"
-                                   for _, a in sorted(incident.also_changed.items()))
-                log.info("incident %s: other layers changed too: %s", incident.id, layers)
-            doc = incident_record(incident.summary(), change.what, self._wall())
-            source = (record.topic, record.partition, record.offset) if record is not None else ("", -1, -1)
-            out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
-                              source))
-        return out
+        return outputs + self._emit(self.join.add_trace(ident.request_id, waiting, record.partition, record.offset, at))
 
     def _outcome(self, record: Record) -> list[Output]:
         self.metrics.outcomes_consumed.inc()
@@ -353,7 +305,10 @@ class Pipeline:
         out = []
         for item in joined:
             w = item.item
-            w.series.observe_outcome(item.outcome, (a.kind for a in w.anomalies))
+            if self.fleet:
+                w.series.observe_joined(item.outcome)
+            else:
+                w.series.observe_outcome(item.outcome, (a.kind for a in (w.found.anomalies if w.found else [])))
             source = (self.topics.traces, item.partition, item.offset)
             with self._emitted_lock:
                 if source in self._emitted:
@@ -363,12 +318,8 @@ class Pipeline:
                 key = observations.judge_key(w.trace.model_id, self.judged_by(w.trace.model_id,
                                                                               w.trace.model_revision))
                 self._forward.setdefault(key, []).append(Forwarded(w.trace, w.heads, w.metrics, item.outcome))
-                continue
-            for anomaly in w.anomalies:
-                doc = anomaly_record(w.trace.fields(), anomaly, item.outcome, self._wall(), w.evidence,
-                                     w.series.outcome_counts)
-                out.append(Output(self.topics.anomalies, w.trace.request_id.encode(),
-                                  json.dumps(doc, sort_keys=True).encode(), source))
+            elif w.found is not None:
+                out += self.findings.records(w.found, item.outcome, source)
         self._sync_join_gauges()
         return out
 
@@ -382,43 +333,13 @@ class Pipeline:
 
     def _judged(self, record: Record, judged: list[tuple[Forwarded, Verdict | Duplicate | Rejected]]
                 ) -> list[Output]:
-        """Verdicts on an observation record's traces (JUDGING=fleet): readiness, anomaly
-        counts and their outcomes on /metrics; anomaly records, which carry the outcome
-        the trace came with, and incidents."""
-        source = (record.topic, record.partition, record.offset)
+        """Verdicts on an observation record's traces (JUDGING=fleet), each with the outcome
+        it came with; a record whose outputs were written before a restart writes none again."""
+        source = _source(record)
         with self._emitted_lock:
-            written = source in self._emitted
-        outputs = []
-        for entry, verdict in judged:
-            if isinstance(verdict, Duplicate):
-                self.metrics.duplicates.inc()
-                continue
-            if isinstance(verdict, Rejected):
-                self.metrics.rejected.labels(verdict.reason.value).inc()
-                continue
-            self.metrics.judged_here.inc()
-            ident = entry.identity
-            series = self.metrics.layer(ident.model_id, ident.model_revision, ident.layer)
-            series.observe_verdict(verdict)
-            if verdict.evicted:
-                self.metrics.references_evicted.inc(verdict.evicted)
-            for anomaly in verdict.anomalies:
-                series.observe_anomaly(anomaly.kind)
-            series.observe_judged_outcome(entry.outcome, (a.kind for a in verdict.anomalies))
-            if not verdict.anomalies:
-                continue
-            now = self._wall()
-            evidence = evidence_fields(verdict.evidence)
-            docs = [anomaly_record(ident.fields(), anomaly, entry.outcome, now, evidence, series.judged_outcomes)
-                    for anomaly in verdict.anomalies]
-            changes = self.incidents.observe(ident.model_id, ident.model_revision, ident.layer, verdict.anomalies,
-                                             docs, self._clock(), _opened_at(ident, now))
-            incident_records = self._incident_records(changes, record)
-            if not written:  # else written before a restart: the incidents take them in, nothing is sent again
-                outputs += incident_records + [Output(self.topics.anomalies, ident.request_id.encode(),
-                                                      json.dumps(doc, sort_keys=True).encode(), source)
-                                               for doc in docs]
-        return outputs
+            mode = Mode.WRITTEN if source in self._emitted else Mode.FRESH
+        return [out for entry, verdict in judged
+                for out in self.findings.judged(entry.identity, verdict, entry.outcome, source, mode)[0]]
 
     def _sync_join_gauges(self) -> None:
         self.metrics.join_entries.set(len(self.join))
@@ -464,8 +385,6 @@ class Pipeline:
             self._emitted = {s for s in self._emitted if s[2] >= offsets.get((s[0], s[1]), -1)}
 
 
-def _opened_at(identity: TraceIdentity, now: float) -> float:
-    """When an incident a trace opens was opened (JUDGING=fleet): the trace's own time
-    (never later than now), so that a judge that takes the stream over and judges the
-    trace again names the incident as the first judge did."""
-    return min(identity.trace_timestamp, now) if identity.trace_timestamp > 0 else now
+
+def _source(record: Record) -> Source:
+    return record.topic, record.partition, record.offset

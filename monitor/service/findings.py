@@ -1,0 +1,160 @@
+"""The one verdict path: what a judge's verdict on a trace turns into.
+
+Every verdict goes through :meth:`Findings.judged`, whichever way its trace came: judged
+fresh, judged again after a restart whose records were written before it
+(:attr:`Mode.WRITTEN`), or judged again when an observations partition moved here, to
+rebuild its judges' evidence (:attr:`Mode.REPLAYED`). It makes the exporter's updates
+(readiness, judging revision, anomaly counts, the layer's outcome tally), the anomaly
+records (``monitor.protocol.findings``) and the incidents, with their records and
+gauges. A new verdict metric is one edit here.
+
+An anomaly record carries the outcome its trace was joined to. A verdict given before
+its trace's outcome is known (``JUDGING=instance`` judges where it measures) keeps what
+its records need as a :class:`Found`, and :meth:`Findings.records` writes them once the
+join has the outcome: one way to build the records, whenever the outcome arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from monitor.core.detect import Anomaly, Verdict
+from monitor.core.incidents import Change, IncidentTracker
+from monitor.measuring.measurer import Duplicate, Rejected
+from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
+from monitor.protocol.records import Output, Source, TraceIdentity
+from monitor.protocol.topics import Topics
+from monitor.service.exporter import MonitorMetrics
+
+__all__ = ["Findings", "Found", "Mode"]
+
+log = logging.getLogger(__name__)
+NO_SOURCE: Source = ("", -1, -1)
+
+
+class Mode(Enum):
+    FRESH = "fresh"  #: the exporter, the records and the incidents
+    WRITTEN = "written"  #: the exporter and the incidents: its records were written before a restart
+    REPLAYED = "replayed"  #: the incidents only, silently: rebuilding a moved partition's evidence
+
+
+@dataclass(frozen=True)
+class Found:
+    """A trace's anomalies with the evidence its anomaly records carry."""
+
+    identity: TraceIdentity
+    anomalies: list[Anomaly]
+    evidence: dict[str, Any] | None
+
+
+class Findings:
+    """Verdicts in, exporter updates, anomaly and incident records and incidents out."""
+
+    def __init__(self, metrics: MonitorMetrics, topics: Topics, incident_quiet: float,
+                 clock: Callable[[], float], wall_clock: Callable[[], float]):
+        self.metrics, self.topics = metrics, topics
+        self.incidents = IncidentTracker(incident_quiet)
+        self._clock, self._wall = clock, wall_clock
+
+    def judged(self, identity: TraceIdentity, verdict: Verdict | Duplicate | Rejected, outcome: str | None,
+               source: Source, mode: Mode = Mode.FRESH) -> tuple[list[Output], Found | None]:
+        """The outputs of one verdict (``outcome``: the one its trace was joined to; None
+        when it is not known yet: its anomaly records are then :meth:`records`' to write),
+        and what it found."""
+        if isinstance(verdict, Duplicate):
+            if mode is not Mode.REPLAYED:
+                self.metrics.duplicates.inc()
+            return [], None
+        if isinstance(verdict, Rejected):
+            if mode is not Mode.REPLAYED:
+                self.metrics.rejected.labels(verdict.reason.value).inc()
+            return [], None
+        series = self.metrics.layer(identity.model_id, identity.model_revision, identity.layer)
+        kinds = [a.kind for a in verdict.anomalies]
+        if mode is not Mode.REPLAYED:
+            series.observe_verdict(verdict)
+            if verdict.evicted:
+                self.metrics.references_evicted.inc(verdict.evicted)
+            for kind in kinds:
+                series.observe_anomaly(kind)
+            if outcome is not None:  # judged from the observations topic, which carries it
+                self.metrics.judged_here.inc()
+                series.observe_judged(outcome, kinds)
+        if not verdict.anomalies:
+            return [], None
+        now = self._wall()
+        found = Found(identity, verdict.anomalies,
+                      None if mode is Mode.REPLAYED else evidence_fields(verdict.evidence))
+        tally = series.outcomes if outcome is not None and mode is not Mode.REPLAYED else None
+        docs = [anomaly_record(identity.fields(), a, outcome, now, found.evidence, tally) for a in verdict.anomalies]
+        changes = self.incidents.observe(identity.model_id, identity.model_revision, identity.layer,
+                                         verdict.anomalies, docs, self._clock(), _opened_at(identity, now))
+        if mode is Mode.REPLAYED:  # taken in silently: the first judge wrote its records
+            return [], found
+        written = self.incident_records(changes, source)
+        if mode is Mode.WRITTEN:
+            return [], found
+        if outcome is not None:
+            written += [self._anomaly_output(identity, doc, source) for doc in docs]
+        return written, found
+
+    def records(self, found: Found, outcome: str, source: Source) -> list[Output]:
+        """The anomaly records of a trace judged before its outcome was known, now that it is."""
+        series = self.metrics.layer(found.identity.model_id, found.identity.model_revision, found.identity.layer)
+        now = self._wall()
+        return [self._anomaly_output(found.identity, anomaly_record(found.identity.fields(), a, outcome, now,
+                                                                    found.evidence, series.outcomes), source)
+                for a in found.anomalies]
+
+    def _anomaly_output(self, identity: TraceIdentity, doc: dict[str, Any], source: Source) -> Output:
+        return Output(self.topics.anomalies, identity.request_id.encode(), json.dumps(doc, sort_keys=True).encode(),
+                      source)
+
+    def expire(self) -> list[Output]:
+        """Records of the incidents quiet for long enough to close."""
+        return self.incident_records(self.incidents.expire(self._clock()), NO_SOURCE)
+
+    def restore(self, incidents: list[dict[str, Any]]) -> None:
+        """Open incidents handed over with a moved partition (:meth:`IncidentTracker.restore`)."""
+        self.incidents.restore(incidents, self._clock())
+
+    def export_open(self) -> None:
+        """Every open incident on its gauge (after a takeover: its alert neither resolves nor pages again)."""
+        for incident in self.incidents.open.values():
+            self.metrics.layer(*incident.key, incident.layer).incident_open[incident.family].set(1)
+
+    def incident_records(self, changes: list[Change], source: Source) -> list[Output]:
+        """Incident records (opened, updated, closed) for the anomalies topic, and the
+        gauges of the incident's primary layer."""
+        out = []
+        for change in changes:
+            incident = change.incident
+            model, revision = incident.key
+            series = self.metrics.layer(model, revision, incident.layer)
+            if change.what == "opened":
+                series.incident_open[incident.family].set(1)
+                series.incidents[incident.family].inc()
+                log.warning("incident opened: %s", incident.id)
+            elif change.what == "closed":
+                series.incident_open[incident.family].set(0)
+                log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
+            else:
+                layers = ", ".join(f"{a.layer} ({a.relation}{', paged' if a.paged else ''})"
+                                   for _, a in sorted(incident.also_changed.items()))
+                log.info("incident %s: other layers changed too: %s", incident.id, layers)
+            doc = incident_record(incident.summary(), change.what, self._wall())
+            out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
+                              source))
+        return out
+
+
+def _opened_at(identity: TraceIdentity, now: float) -> float:
+    """When an incident a trace opens was opened: the trace's own time (never later than
+    now), so that a judge that takes the stream over and judges the trace again names the
+    incident as the first judge did."""
+    return min(identity.trace_timestamp, now) if identity.trace_timestamp > 0 else now
