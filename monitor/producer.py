@@ -12,11 +12,13 @@ from monitor.broker.producer import TraceProducer
 from monitor.protocol.access import Keyring
 from monitor.protocol.codec import encode
 from monitor.protocol.model_contract import LayerContract, ModelContract
-from monitor.protocol.schema import OUTCOMES, Scope, TaskOutcome, TraceHeader
+from monitor.protocol.schema import FAILURE_LABELS, OUTCOMES, SUCCESS_LABELS, Scope, TaskOutcome, TraceHeader
 from monitor.protocol.topics import Topics
 
 __all__ = [
+           "FAILURE_LABELS",
            "OUTCOMES",
+           "SUCCESS_LABELS",
            "LayerContract",
            "ModelContract",
            "Scope",

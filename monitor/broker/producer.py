@@ -6,6 +6,7 @@
         producer.publish_contract(contract)          # once per model revision, before its traces
         producer.send(header, weights)               # key = header.request_id
         producer.send_outcome(header.request_id, "success")
+        producer.send_outcome(other_request_id, label="thumbs_down", score=0.2)  # minutes or days later
 
 Large traces need the limits raised together: the topic's ``max.message.bytes``, the
 broker's ``message.max.bytes`` and this producer's ``max_request_size`` (default here
@@ -74,13 +75,21 @@ class TraceProducer:
                 self._recent.popitem(last=False)
         return self._producer.send(self.topics.traces, key=header.request_id.encode(), value=value)
 
-    def send_outcome(self, request_id: str, outcome: str, timestamp: float | None = None) -> Any:
-        """Queue how a request ended: ``success`` or ``failure`` (anything else raises
-        ``ValueError`` here rather than being refused by the monitor)."""
-        record = TaskOutcome(request_id=request_id, outcome=outcome,
-                             timestamp=time.time() if timestamp is None else timestamp)
+    def send_outcome(self, request_id: str, outcome: str | None = None, *, label: str | None = None,
+                     score: float | None = None, timestamp: float | None = None) -> Any:
+        """Queue how a request ended: ``outcome`` ``success`` or ``failure`` (what metrics
+        and alerts count), ``label`` how it was given (``thumbs_down``, ``regenerate``,
+        ``abandoned``, ``escalated``, ``thumbs_up``, ``accepted`` imply the outcome, which
+        may then be left out; any other lower-case word needs it), ``score`` a grade from
+        0 to 1, ``timestamp`` when it was given (now by default). It may come minutes to
+        days after the request: see ``OUTCOME_WINDOW_S``. A record the monitor would
+        refuse raises ``ValueError`` here instead (pydantic's ``ValidationError`` is one).
+        The record always names its outcome, so monitors that predate labels read it."""
+        record = TaskOutcome.model_validate({
+            "request_id": request_id, "outcome": outcome, "label": label, "score": score,
+            "timestamp": time.time() if timestamp is None else timestamp})
         return self._producer.send(self.topics.outcomes, key=request_id.encode(),
-                                   value=record.model_dump_json().encode())
+                                   value=record.model_dump_json(exclude_none=True).encode())
 
     def flush(self, timeout: float | None = None) -> None:
         self._producer.flush(timeout)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["OUTCOMES", "Scope", "TaskOutcome", "TraceHeader"]
+__all__ = ["FAILURE_LABELS", "OUTCOMES", "SUCCESS_LABELS", "Scope", "TaskOutcome", "TraceHeader"]
 
 SCHEMA_VERSION: Literal[1] = 1
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
@@ -18,6 +18,12 @@ IDENTIFIER_MAX = 128
 #: the words a task outcome may say (a trace whose outcome never came is ``missing``)
 OUTCOMES = ("success", "failure")
 Outcome = Literal["success", "failure"]
+#: labels whose meaning is fixed: an outcome record that gives one of these and no
+#: ``outcome`` gets the outcome it implies, and one that contradicts it is refused
+FAILURE_LABELS = ("thumbs_down", "regenerate", "abandoned", "escalated")
+SUCCESS_LABELS = ("thumbs_up", "accepted")
+LABEL_PATTERN = r"^[a-z][a-z0-9_]*$"
+LABEL_MAX = 64
 Identifier = Field(min_length=1, max_length=IDENTIFIER_MAX, pattern=IDENTIFIER_PATTERN)
 
 
@@ -102,10 +108,47 @@ class TraceHeader(BaseModel):
 
 class TaskOutcome(BaseModel):
     """How the traced request ended, as the task system saw it (topic ``task-outcomes``,
-    JSON, key = request_id)."""
+    JSON, key = request_id; ``docs/wire-format.md``).
+
+    ``outcome`` is what metrics and alerts count: a trace's outcome is a failure exactly
+    when its record says ``failure``. ``label`` says how the user or evaluator gave it
+    (``thumbs_down``, ``regenerate``, ...; any lower-case word) and ``score`` grades it
+    from 0 to 1; both travel with the outcome to the anomaly records and the triage
+    page and never change what counts. A record may leave ``outcome`` out when its label
+    is one of :data:`FAILURE_LABELS` or :data:`SUCCESS_LABELS`: the label then says it.
+    Unknown fields are ignored, so older and newer producers and monitors read each
+    other's records."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     request_id: str = Identifier
     outcome: Outcome
-    timestamp: float = Field(default=0.0, ge=0)
+    label: str | None = Field(None, min_length=1, max_length=LABEL_MAX, pattern=LABEL_PATTERN)
+    score: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    timestamp: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outcome_of_label(cls, data: Any) -> Any:
+        """A label of fixed meaning says the outcome a record left out."""
+        if not isinstance(data, dict) or data.get("outcome") is not None:
+            return data
+        label = data.get("label")
+        implied = label_outcome(label) if isinstance(label, str) else None
+        if implied is None:
+            raise ValueError("no outcome: give success or failure" + (
+                f" (label {label!r} has no fixed meaning)" if isinstance(label, str) else "") +
+                f", or a label that implies one ({', '.join((*FAILURE_LABELS, *SUCCESS_LABELS))})")
+        return {**data, "outcome": implied}
+
+    @model_validator(mode="after")
+    def _label_agrees(self) -> TaskOutcome:
+        implied = None if self.label is None else label_outcome(self.label)
+        if implied is not None and implied != self.outcome:
+            raise ValueError(f"label {self.label!r} means {implied}, but outcome says {self.outcome}")
+        return self
+
+
+def label_outcome(label: str) -> str | None:
+    """The outcome a label of fixed meaning implies (None for any other label)."""
+    return "failure" if label in FAILURE_LABELS else "success" if label in SUCCESS_LABELS else None

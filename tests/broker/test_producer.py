@@ -43,7 +43,7 @@ def test_produce_consume_decode_round_trip(kafka_broker, make_topic, unique_name
         np.testing.assert_array_equal(trace.weights, weights)
 
 
-def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure(kafka_broker, make_topic):
+def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure_with_a_label_and_score(kafka_broker, make_topic):
     topics = Topics(traces=make_topic("traces"), outcomes=make_topic("outcomes"))
     header, weights = make_trace(0, layer=0)
     with TraceProducer(key_id=KEY_ID, secret=SECRET, topics=topics, bootstrap_servers=kafka_broker.bootstrap) as p:
@@ -56,6 +56,11 @@ def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure(kafka_broke
         with pytest.raises(ValueError, match="outcome"):
             p.send_outcome(header.request_id, "ok")
         p.send_outcome(header.request_id, "failure", timestamp=12.5).get(timeout=10)
+        with pytest.raises(ValueError, match="means failure"):
+            p.send_outcome(header.request_id, "success", label="thumbs_down")
+        with pytest.raises(ValueError, match="less than or equal to 1"):
+            p.send_outcome(header.request_id, "failure", score=2.0)
+        p.send_outcome(layer_1.request_id, label="regenerate", score=0.25, timestamp=13.0).get(timeout=10)
     consumer = KafkaConsumer(topics.outcomes, group_id=None, auto_offset_reset="earliest",
                              bootstrap_servers=kafka_broker.bootstrap, enable_auto_commit=False)
     try:
@@ -63,4 +68,7 @@ def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure(kafka_broke
     finally:
         consumer.close()
     assert [(r.key, TaskOutcome.model_validate_json(r.value)) for r in records] == [
-        (header.request_id.encode(), TaskOutcome(request_id=header.request_id, outcome="failure", timestamp=12.5))]
+        (header.request_id.encode(), TaskOutcome(request_id=header.request_id, outcome="failure", timestamp=12.5)),
+        (header.request_id.encode(), TaskOutcome(request_id=header.request_id, outcome="failure", label="regenerate",
+                                                 score=0.25, timestamp=13.0))]
+    assert b'"outcome":"failure"' in records[1].value and b"null" not in records[1].value  # older monitors read it

@@ -1,0 +1,88 @@
+"""Requests awaiting their outcome past the join: attributed once, bounded, rebuilt from
+what was written."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from monitor.core.pending import Delta, PendingOutcomes
+
+
+def test_a_late_outcome_settles_its_request_once_with_every_layer():
+    table = PendingOutcomes(window=100, max_requests=10)
+    for layer in (0, 1, 1, 2):
+        assert table.add("r1", "m", "canary", "healthy", layer, partition=3, at=5.0) == []
+    entry = table.settle("r1")
+    assert entry is not None
+    assert (entry.model_id, entry.revision, entry.judged_by, entry.layers, entry.partition, entry.deadline) == \
+        ("m", "canary", "healthy", (0, 1, 2), 3, 105.0)
+    assert table.settle("r1") is None  # a second outcome finds nothing: never counted twice
+    assert table.settle("never-traced") is None
+    assert len(table) == 0 and table.evictions == {"window": 0, "capacity": 0}
+
+
+def test_the_window_closes_on_event_time_and_capacity_pushes_the_oldest_out():
+    table = PendingOutcomes(window=10, max_requests=2)
+    table.add("a", "m", "r", "r", 0, 0, at=0.0)
+    table.add("b", "m", "r", "r", 0, 0, at=1.0)
+    pushed = table.add("c", "m", "r", "r", 0, 0, at=2.0)
+    assert [p.request_id for p in pushed] == ["a"]
+    assert table.expire(10.9) == []
+    assert [p.request_id for p in table.expire(11.0)] == ["b"]
+    assert table.evictions == {"window": 1, "capacity": 1} and "c" in table and "a" not in table
+
+
+def test_deltas_rebuild_the_table_after_any_sequence_of_events():
+    """What a new owner of the partitions rebuilds from the written deltas equals the
+    table that wrote them, whatever the order of traces, outcomes and expiries."""
+    rng = random.Random(11)
+    table = PendingOutcomes(window=50, max_requests=40)
+    written: list[Delta] = []
+    now = 0.0
+    for step in range(3000):
+        now += rng.random()
+        number = rng.randrange(120)
+        request = f"r{number}"
+        roll = rng.random()
+        if roll < 0.6:
+            table.add(request, "m", f"rev{rng.randrange(3)}", "rev0", rng.randrange(4), number % 3, now)
+        elif roll < 0.85:
+            table.settle(request)
+        else:
+            table.expire(now)
+        if step % rng.choice((1, 7, 50)) == 0:
+            written += [d for _, d in sorted(table.take_deltas().items())]
+    written += [d for _, d in sorted(table.take_deltas().items())]
+    rebuilt = PendingOutcomes(window=50, max_requests=40)
+    for delta in written:
+        rebuilt.apply(delta)
+    mine = {r: (e.layers, e.partition, e.at, e.revision) for r, e in table._requests.items()}
+    theirs = {r: (e.layers, e.partition, e.at, e.revision) for r, e in rebuilt._requests.items()}
+    assert theirs == mine and len(mine) > 5
+    assert rebuilt.take_deltas() == {}  # rebuilding writes nothing
+
+
+def test_a_request_written_then_settled_is_said_closed_and_one_never_written_is_not():
+    table = PendingOutcomes(window=50, max_requests=10)
+    table.add("old", "m", "r", "r", 0, 1, at=0.0)
+    table.take_deltas()
+    table.add("new", "m", "r", "r", 0, 1, at=1.0)
+    table.add("old", "m", "r", "r", 1, 1, at=2.0)  # another layer: its whole entry again
+    table.settle("old")
+    table.settle("new")
+    assert table.take_deltas() == {1: Delta({}, ["old"])}
+
+
+def test_dropping_partitions_forgets_their_requests_and_unwritten_changes():
+    table = PendingOutcomes(window=50, max_requests=10)
+    table.add("a", "m", "r", "r", 0, 0, at=0.0)
+    table.add("b", "m", "r", "r", 0, 1, at=0.0)
+    assert table.drop_partitions([1]) == 1
+    assert "b" not in table and list(table.take_deltas()) == [0]
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        PendingOutcomes(window=0, max_requests=1)
