@@ -47,7 +47,7 @@ def check_rows(traces, model, sequences, mask, prompt_lengths):
         eager = model(input_ids=sequences, attention_mask=mask, output_attentions=True).attentions
     contract_check = {}
     for header, weights, sink in traces:
-        b = ("seq-a", "seq-b").index(header.request_id)
+        b = ("seq-a", "seq-b").index(header.request_id) if sequences.shape[0] > 1 else 0
         real = np.flatnonzero(mask[b].numpy())
         assert header.key_count == len(real) == weights.shape[-1]
         if prompt_lengths is not None:
@@ -118,13 +118,123 @@ def test_generation_traces_prompt_and_decoding_rows_at_their_positions(name, cac
         assert weights.shape[1] == 3 + 4
 
 
-def test_beam_search_is_refused_with_a_clear_message(caplog):
+def test_beam_search_is_served_untraced_and_counted(caplog):
     tapped, _ = sharpened("llama")
     ids, mask = prompts()
+    options = {"max_new_tokens": 3, "num_beams": 2, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        untapped = tapped.generate(input_ids=ids, attention_mask=mask, **options)
     tap = attach(tapped, Collect(), sample_rate=1.0)
     with tap.request(["seq-a", "seq-b"]), torch.no_grad():
-        tapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
-                        pad_token_id=0)
+        generated = tapped.generate(input_ids=ids, attention_mask=mask, **options)
     counts = tap.detach(timeout=30)
-    assert counts.published == 0 and counts.failed >= 1
-    assert "beam search and num_return_sequences > 1 are not traced" in caplog.text
+    assert torch.equal(generated, untapped)
+    assert (counts.published, counts.failed, dict(counts.untraced)) == (0, 0, {"beam_search": 2})
+    assert "beam search and num_return_sequences > 1" in caplog.text
+
+
+def long_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of 51 and 40 real tokens, the second left-padded."""
+    ids = torch.randint(3, 100, (2, 51), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 51, dtype=torch.long)
+    mask[1, :11] = 0
+    ids[1, :11] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_chunked_prefill_traces_the_whole_prompt(name):
+    """prefill_chunk_size=8: the 51-token prompt in seven passes (beyond a 6-key window on
+    sliding layers); rows sampled over the whole prompt, each computed in its own chunk."""
+    tapped, eager = sharpened(name)
+    ids, mask = long_prompts()
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "prefill_chunk_size": 8}
+    with torch.no_grad():
+        untapped = tapped.generate(input_ids=ids, attention_mask=mask, **options)
+    sink = Collect()
+    tap = attach(tapped, sink, sample_rate=1.0, rows=6, decode_rows=2, scope=SCOPE)
+    with tap.request(["seq-a", "seq-b"]), torch.no_grad():
+        generated = tapped.generate(input_ids=ids, attention_mask=mask, **options)
+    counts = tap.detach(timeout=30)
+    assert torch.equal(generated, untapped)
+    assert (counts.published, counts.failed, dict(counts.untraced)) == (4, 0, {}), counts.line()
+    full = torch.cat([mask, torch.ones(2, generated.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+    check_rows(sink.traces, eager, generated[:, :-1], full[:, :-1], prompt_lengths=(51, 40))
+    for header, _, _ in sink.traces:
+        prompt_rows = [p for p in header.query_positions if p < header.prompt_length]
+        assert len(prompt_rows) == 6 and max(prompt_rows) >= 16  # beyond the first two chunks
+
+
+@pytest.mark.parametrize("speculation", ["prompt_lookup", "draft_model"])
+def test_speculative_decoding_traces_the_prompt_rows_only_and_counts(speculation):
+    tapped, eager = sharpened("llama")
+    ids = torch.randint(3, 30, (1, 51), generator=torch.Generator().manual_seed(4))  # repeats: lookups hit
+    options: dict = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    if speculation == "prompt_lookup":
+        options["prompt_lookup_num_tokens"] = 3
+    else:
+        torch.manual_seed(1)
+        options["assistant_model"] = DECODERS["llama"][0]("sdpa")
+    with torch.no_grad():
+        untapped = tapped.generate(input_ids=ids, **options)
+    sink = Collect()
+    tap = attach(tapped, sink, sample_rate=1.0, rows=5, scope=SCOPE)
+    with tap.request("seq-a"), torch.no_grad():
+        generated = tapped.generate(input_ids=ids, **options)
+    counts = tap.detach(timeout=30)
+    assert torch.equal(generated, untapped)
+    assert (counts.published, dict(counts.untraced)) == (2, {"speculative_decoding": 1}), counts.line()
+    for header, _, _ in sink.traces:
+        assert header.key_count == 51 and header.prompt_length is None and max(header.query_positions) < 51
+    check_rows(sink.traces, eager, ids, torch.ones_like(ids), prompt_lengths=None)
+
+
+def test_a_request_carried_onto_worker_threads_is_traced(caplog):
+    """transformers' streaming pattern (TextIteratorStreamer, generate on a Thread) and an
+    executor: the request's context does not follow by itself (counted, said once);
+    tap.carry binds the call to it, and the traces wait for the call to return."""
+    import asyncio
+    import functools
+    import threading
+
+    from transformers import AutoTokenizer, TextIteratorStreamer
+
+    from tests.integrations.models import minilm_path
+
+    tapped, eager = sharpened("llama")
+    ids, mask = prompts()
+    options = {"input_ids": ids[:1], "attention_mask": mask[:1], "max_new_tokens": 6, "do_sample": False,
+               "pad_token_id": 0}
+    with torch.no_grad():
+        untapped = tapped.generate(**options)
+    sink = Collect()
+    tap = attach(tapped, sink, sample_rate=1.0, rows=3, decode_rows=2, scope=SCOPE)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())  # any tokenizer decodes ids below 100
+
+    def stream(target) -> str:
+        streamer = TextIteratorStreamer(tokenizer)
+        worker = threading.Thread(target=target, kwargs={**options, "streamer": streamer})
+        worker.start()
+        text = "".join(streamer)
+        worker.join(30)
+        return text
+
+    with tap.request("seq-a"):  # the plain pattern: nothing traced, counted
+        stream(tapped.generate)
+    assert tap.flush(timeout=30) and not sink.traces and tap.counts.untraced["outside_request"] == 6  # one a pass
+    assert "run the call through tap.carry" in caplog.text
+    with tap.request("seq-a"):
+        text = stream(tap.carry(tapped.generate))
+    assert text
+
+    async def serve() -> torch.Tensor:
+        with tap.request("seq-b"):
+            call = functools.partial(tapped.generate, **options)
+            return await asyncio.get_running_loop().run_in_executor(None, tap.carry(call))
+
+    generated = asyncio.run(serve())
+    counts = tap.detach(timeout=30)
+    assert torch.equal(generated, untapped)
+    assert counts.published == 4 and counts.untraced == {"outside_request": 6}
+    sequence = torch.cat([generated, generated])[:, :-1]
+    check_rows(sink.traces, eager, sequence, torch.ones_like(sequence), prompt_lengths=(9, 9))
