@@ -199,7 +199,7 @@ def triage(
     investigation, never a pruning command."""
     from monitor.broker.tail import read_tail
     from monitor.errors import InfrastructureError
-    from monitor.triage import evidence, page, site
+    from monitor.triage import evidence, outcomes, page, site
     from monitor.triage.text import report, select
 
     settings = load_settings()
@@ -219,10 +219,12 @@ def triage(
     if html is None:
         if case is not None:
             shown = [r for r in case.records if kind is None or r.get("kind") == kind]
-            typer.echo(report(shown, [case] if case.incident is not None else []), nl=False)
+            typer.echo(report(shown, [case] if case.incident is not None else [], records), nl=False)
+            if case.incident is None and not case.healthy:  # an incident's are in its lines
+                typer.echo("\n".join(outcomes.describe(case.outcomes)))
         else:
             typer.echo(report(select(records, model, revision, layer, kind),
-                              evidence.incident_cases(records, model, revision, layer)), nl=False)
+                              evidence.incident_cases(records, model, revision, layer), records), nl=False)
         return
     if case is not None:
         html.parent.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,14 @@ def incident_record(summary: dict[str, Any], change: str, now: float) -> dict[st
 
 def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None, now: float,
                    evidence: dict[str, Any] | None = None,
-                   layer_outcomes: dict[str, int] | None = None) -> dict[str, Any]:
-    """The JSON anomaly record: identity, finding, outcome, the trace beside its
-    reference (``evidence``), the layer's joined outcomes so far (``layer_outcomes``, so
-    the triage page can compare failure rates) and the two policy sentences."""
+                   layer_outcomes: dict[str, int] | None = None, *,
+                   reference_outcomes: dict[str, Any] | None = None,
+                   outcome_label: str | None = None, outcome_score: float | None = None) -> dict[str, Any]:
+    """The JSON anomaly record: identity, finding, outcome (with the label and score it
+    was given), the trace beside its reference (``evidence``), the layer's outcome
+    tallies so far (``layer_outcomes``) and, for a revision judged by another one, that
+    revision's on the same layer (``reference_outcomes``, with its ``revision``), so the
+    triage page can compare failure rates; and the two policy sentences."""
     return {
         "schema": "attention-anomaly/1",
         **trace,
@@ -36,9 +40,12 @@ def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None,
         "score": anomaly.score,
         "pages": anomaly.pages,
         "outcome": outcome,
+        "outcome_label": outcome_label,
+        "outcome_score": outcome_score,
         "detected_at": now,
         "evidence": evidence,
         "layer_outcomes": None if layer_outcomes is None else dict(layer_outcomes),
+        "reference_outcomes": None if reference_outcomes is None else dict(reference_outcomes),
         "policy": policy_fields(),
     }
 

@@ -1,6 +1,6 @@
 """What a triage page shows, gathered from the records the monitor wrote: one incident,
 or one (model, revision, layer) selection, with its anomaly records, the trace beside
-its reference, the heads involved and the outcome association. Pure data: the charts
+its reference, the heads involved and what the outcomes say (``outcomes``). Pure data: the charts
 and the HTML are made from a :class:`Case` elsewhere (``charts``, ``page``)."""
 
 from __future__ import annotations
@@ -11,52 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monitor.core.incidents import FAMILY, HEAD_SHARE
+from monitor.triage import outcomes
+from monitor.triage.outcomes import Outcomes, Rate, wilson
+
+__all__ = ["Case", "Point", "Rate", "for_incident", "for_layer", "incident_cases", "wilson"]
 
 #: anomaly records listed as the strongest evidence
 STRONGEST = 10
-#: two-sided 95 % normal quantile, for the intervals of failure rates
-Z95 = 1.959963984540054
 #: head metrics the timelines show (the last two when the records carry them: a learned
 #: sink, decoding rows)
 TIMELINE_METRICS = ("entropy", "concentration", "sink_share", "learned_sink", "prompt_mass")
 #: heads the timelines show at most: the involved ones, then those most often named by findings
 TIMELINE_HEADS = 6
-
-
-@dataclass(frozen=True)
-class Rate:
-    """A failure rate with its Wilson score 95 % interval."""
-
-    failures: int
-    joined: int
-
-    @property
-    def value(self) -> float:
-        return self.failures / self.joined if self.joined else math.nan
-
-    @property
-    def interval(self) -> tuple[float, float]:
-        return wilson(self.failures, self.joined)
-
-
-@dataclass(frozen=True)
-class Association:
-    """Failure rate of the selection's anomalous traces against the layer's other
-    traces: correlational, never causal."""
-
-    anomalous: Rate
-    others: Rate | None  #: None when the records carry no layer outcome counts
-    missing: int  #: anomalous traces whose outcome never came
-
-    @property
-    def difference(self) -> tuple[float, float, float] | None:
-        """Rate difference (anomalous − others) with Newcombe's hybrid score interval."""
-        if self.others is None or not self.anomalous.joined or not self.others.joined:
-            return None
-        p1, p2 = self.anomalous.value, self.others.value
-        (l1, u1), (l2, u2) = self.anomalous.interval, self.others.interval
-        d = p1 - p2
-        return d, d - math.hypot(p1 - l1, u2 - p2), d + math.hypot(u1 - p1, p2 - l2)
 
 
 @dataclass(frozen=True)
@@ -80,7 +46,7 @@ class Case:
     records: list[dict[str, Any]]  #: its anomaly records, oldest first
     involved: list[str] = field(default_factory=list)
     latest: dict[str, Any] | None = None  #: the newest anomaly record that carries evidence
-    association: Association | None = None
+    outcomes: Outcomes | None = None  #: the revision against its reference, the anomalous traces against the rest
     timelines: dict[str, dict[str, list[Point]]] = field(default_factory=dict)  #: metric → head → points
 
     @property
@@ -125,17 +91,6 @@ class Case:
         return f"{self.model or 'any model'} {self.revision or ''} layer {layer}"
 
 
-def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (NaN, NaN without observations)."""
-    if n <= 0:
-        return math.nan, math.nan
-    p = successes / n
-    denominator = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, center - half), min(1.0, center + half)
-
-
 def incidents(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The latest record of every incident in ``records``, newest opened first."""
     latest: dict[str, dict[str, Any]] = {}
@@ -173,7 +128,7 @@ def for_layer(records: list[dict[str, Any]], model: str, revision: str, layer: i
         return _case(records, mine[0])
     chosen = [r for r in anomalies(records)
               if (r.get("model_id"), r.get("model_revision"), r.get("layer")) == (model, revision, layer)]
-    return _complete(Case(model, revision, layer, None, sorted(chosen, key=_detected)))
+    return _with_outcomes(_complete(Case(model, revision, layer, None, sorted(chosen, key=_detected))), records)
 
 
 def _detected(record: dict[str, Any]) -> float:
@@ -193,7 +148,7 @@ def _case(records: list[dict[str, Any]], incident: dict[str, Any]) -> Case:
               and (family == "diversity" or FAMILY.get(str(r.get("kind"))) == family)
               and start - 1.0 <= _detected(r) <= end]
     case = Case(*key, incident, sorted(chosen, key=_detected))
-    return _complete(case)
+    return _with_outcomes(_complete(case), records)
 
 
 def _complete(case: Case) -> Case:
@@ -208,30 +163,17 @@ def _complete(case: Case) -> Case:
     with_evidence = [r for r in records if r.get("evidence")]
     strongest = (case.incident or {}).get("strongest") or {}
     case.latest = with_evidence[-1] if with_evidence else (strongest if strongest.get("evidence") else None)
-    case.association = _association(records)
     named = Counter(h for r in records for h in r.get("heads", []))
     shown = [*case.involved, *(h for h, _ in named.most_common() if h not in case.involved)][:TIMELINE_HEADS]
     case.timelines = _timelines(with_evidence, shown)
     return case
 
 
-def _association(records: list[dict[str, Any]]) -> Association | None:
-    """Outcomes of the selection's anomalous traces (each trace once) against the layer's
-    other joined traces, from the newest record's ``layer_outcomes``."""
-    joined = [r for r in records if r.get("outcome") is not None]
-    if not joined:
-        return None
-    by_trace = {r["trace_id"]: r["outcome"] for r in joined}
-    outcomes = Counter(by_trace.values())
-    anomalous = Rate(outcomes["failure"], outcomes["failure"] + outcomes["success"])
-    counted = [r for r in joined if r.get("layer_outcomes")]
-    others = None
-    if counted:
-        layer = max(counted, key=_detected)["layer_outcomes"]
-        failures = max(0, int(layer.get("failure", 0)) - outcomes["failure"])
-        successes = max(0, int(layer.get("success", 0)) - outcomes["success"])
-        others = Rate(failures, failures + successes)
-    return Association(anomalous, others, outcomes["missing"])
+def _with_outcomes(case: Case, records: list[dict[str, Any]]) -> Case:
+    """The outcomes of the case's traces and of its revision, with the late outcomes and
+    newest tallies among every record read (:mod:`monitor.triage.outcomes`)."""
+    case.outcomes = outcomes.view(case.records, records, case.model, case.revision, case.layer)
+    return case
 
 
 def _timelines(records: list[dict[str, Any]], shown: list[str]) -> dict[str, dict[str, list[Point]]]:

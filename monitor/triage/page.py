@@ -14,7 +14,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
-from monitor.triage import charts
+from monitor.triage import charts, outcome_chart
 from monitor.triage.evidence import Case
 
 _ENV = Environment(loader=PackageLoader("monitor.triage", "templates"), autoescape=select_autoescape(),
@@ -57,8 +57,10 @@ def render(case: Case) -> str:
     if case.latest is not None and case.latest.get("evidence"):
         heatmap = Markup(charts.heatmaps(case.latest["evidence"], case.involved))
         timeline = Markup(charts.timelines(case.timelines))
+    intervals = Markup(outcome_chart.intervals(case.outcomes)) if case.outcomes is not None else None
     return _ENV.get_template("case.html.j2").render(
-        case=case, heatmap=heatmap, timeline=timeline, not_pruning=NOT_PRUNING, specialization=SPECIALIZATION,
+        case=case, heatmap=heatmap, timeline=timeline, outcome_chart=intervals, not_pruning=NOT_PRUNING,
+        specialization=SPECIALIZATION,
         generated=_when(datetime.now(UTC).timestamp()))
 
 

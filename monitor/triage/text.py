@@ -10,6 +10,7 @@ from statistics import median
 from typing import Any
 
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
+from monitor.triage import outcomes
 from monitor.triage.evidence import Case
 
 
@@ -48,12 +49,16 @@ def incident_lines(cases: list[Case]) -> list[str]:
             lines.append(f"  strongest: {strongest.get('kind')} value {strongest.get('value', 0):.3f} against "
                          f"{strongest.get('reference', 0):.3f}, effect {strongest.get('effect_size', 0):.1f} sd, "
                          f"trace {strongest.get('trace_id')}")
+        lines += ["  " + line for line in outcomes.describe(case.outcomes)]
         lines.append("")
     return lines
 
 
-def report(records: list[dict[str, Any]], cases: list[Case] | None = None) -> str:
-    """Incidents (``cases``), then the anomaly records grouped by layer and kind."""
+def report(records: list[dict[str, Any]], cases: list[Case] | None = None,
+           every: list[dict[str, Any]] | None = None) -> str:
+    """Incidents (``cases``), then the anomaly records grouped by layer and kind (their
+    outcomes with the late outcome records among ``every`` record read)."""
+    late = outcomes.late_outcomes(every or [])
     if not records and not cases:
         return "no incident or anomaly records match\n\nPolicy: " + NOT_PRUNING
     lines = incident_lines(cases) if cases else []
@@ -63,7 +68,7 @@ def report(records: list[dict[str, Any]], cases: list[Case] | None = None) -> st
         mine = [r for r in records if (r["model_id"], r["model_revision"], r["layer"], r["kind"])
                 == (model, revision, layer, kind)]
         heads = Counter(h for r in mine for h in r["heads"])
-        outcomes = Counter(r["outcome"] for r in mine)
+        said = Counter(str(outcomes.resolved(r, late)["outcome"]) for r in mine)
         refs = sorted({r["reference_revision"] for r in mine})
         contracts = sorted({r["contract_id"] for r in mine})
         lines += [
@@ -72,7 +77,7 @@ def report(records: list[dict[str, Any]], cases: list[Case] | None = None) -> st
             f"{median(r['reference'] for r in mine):.3f} (median; reference revision {', '.join(refs)})",
             f"  effect size median {median(r['effect_size'] for r in mine):.1f} sd",
             "  heads most involved: " + ", ".join(f"{h} ({c})" for h, c in heads.most_common(6)),
-            "  outcomes: " + ", ".join(f"{o}={c}" for o, c in sorted(outcomes.items())),
+            "  outcomes: " + ", ".join(f"{o}={c}" for o, c in sorted(said.items())),
             "  contract: " + ", ".join(contracts),
             f"  example: trace {mine[-1]['trace_id']} request {mine[-1]['request_id']}",
             "",

@@ -48,5 +48,9 @@ def records(collapsed_requests: int = 12, seed: int = 0, failure_rate: float = 0
             for change in incidents.observe(header.model_id, header.model_revision, header.layer,
                                             verdict.anomalies, docs, now, now):
                 out.append(incident_record(change.incident.summary(), change.what, now))
-            out += [anomaly_record(ident, a, outcome, now + 0.5, evidence, counts) for a in verdict.anomalies]
+            judged_by = "r1"  # r2 is pinned to r1: the anomaly records carry r1's counts of the layer too
+            reference = None if header.model_revision == judged_by else {
+                "revision": judged_by, **outcomes.get((judged_by, header.layer), {})}
+            out += [anomaly_record(ident, a, outcome, now + 0.5, evidence, counts, reference_outcomes=reference)
+                    for a in verdict.anomalies]
     return out
