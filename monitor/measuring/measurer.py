@@ -411,5 +411,7 @@ def _split(m: HeadMetrics) -> list[HeadMetrics]:
 
 def trace_identity(trace: Trace, record: Record) -> TraceIdentity:
     h = trace.header
+    decoding = 0 if h.prompt_length is None else sum(p >= h.prompt_length for p in h.query_positions)
     return TraceIdentity(h.trace_id, h.request_id, h.model_id, h.model_revision, h.contract_id, h.layer, h.key_count,
-                         h.timestamp, (record.topic, record.partition, record.offset))
+                         h.timestamp, (record.topic, record.partition, record.offset),
+                         (len(h.query_positions) - decoding, decoding))

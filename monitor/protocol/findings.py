@@ -39,6 +39,7 @@ def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None,
         "effect_size": anomaly.effect,
         "score": anomaly.score,
         "pages": anomaly.pages,
+        "measured_on": measured_on(trace.get("rows"), anomaly.kind),
         "outcome": outcome,
         "outcome_label": outcome_label,
         "outcome_score": outcome_score,
@@ -48,6 +49,24 @@ def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None,
         "reference_outcomes": None if reference_outcomes is None else dict(reference_outcomes),
         "policy": policy_fields(),
     }
+
+
+def measured_on(rows: Any, kind: str) -> str | None:
+    """The rows a finding's metric was taken over: ``prompt`` when only rows that see
+    nothing but the input (a generation trace's prompt rows, or every row of a trace
+    without decoding rows), ``decoding`` when rows of generated tokens are among them
+    (they see what the whole model generated, so a fault in any layer moves them); None
+    when the trace's rows are not known. The measurer takes the classic metrics over a
+    generation trace's prompt rows, its prompt mass over its decoding rows and its learned
+    sink mass over every row (``monitor.measuring.measurer``)."""
+    if not isinstance(rows, dict):
+        return None
+    prompt, decoding = int(rows.get("prompt") or 0), int(rows.get("decoding") or 0)
+    if not prompt and not decoding:
+        return None
+    if kind == "prompt_mass_shift" or (kind == "learned_sink_shift" and decoding):
+        return "decoding"
+    return "prompt" if prompt else "decoding"
 
 
 def _rounded(values: Any) -> Any:

@@ -190,7 +190,8 @@ def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.fl
             model_revision=str(entry["model_revision"]), contract_id=str(entry["contract_id"]),
             layer=int(entry["layer"]), key_count=int(entry["key_count"]),
             trace_timestamp=float(entry["trace_timestamp"]),
-            source=(str(source["topic"]), int(source["partition"]), int(source["offset"])))
+            source=(str(source["topic"]), int(source["partition"]), int(source["offset"])),
+            rows=_rows(entry.get("rows")))
         heads, outcome = tuple(str(head) for head in entry["heads"]), str(entry["outcome"])
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(f"an entry's identity is incomplete: {type(exc).__name__}: {exc}") from exc
@@ -208,3 +209,11 @@ def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.fl
 
 def _malformed(detail: str) -> TraceRejected:
     return TraceRejected(RejectReason.MALFORMED, f"observations record: {detail}")
+
+
+def _rows(rows: Any) -> tuple[int, int]:
+    """An entry's (prompt, decoding) row counts; (0, 0), not known, for an entry written
+    before they were carried."""
+    if not isinstance(rows, dict):
+        return 0, 0
+    return int(rows.get("prompt", 0)), int(rows.get("decoding", 0))

@@ -45,6 +45,10 @@ class TraceIdentity:
     key_count: int
     trace_timestamp: float  #: the producer's timestamp of the trace
     source: Source  #: topic, partition, offset of its record
+    #: its sampled rows: (prompt rows, decoding rows). A row at a position before the
+    #: header's ``prompt_length`` (or any row, without one) sees only the input; a
+    #: decoding row sees the tokens generated so far. (0, 0): not known
+    rows: tuple[int, int] = (0, 0)
 
     def fields(self) -> dict[str, Any]:
         """The identity as the JSON fields of an anomaly record (``docs/wire-format.md``)."""
@@ -52,4 +56,5 @@ class TraceIdentity:
         return {"trace_id": self.trace_id, "request_id": self.request_id, "model_id": self.model_id,
                 "model_revision": self.model_revision, "contract_id": self.contract_id, "layer": self.layer,
                 "key_count": self.key_count, "trace_timestamp": self.trace_timestamp,
-                "source": {"topic": topic, "partition": partition, "offset": offset}}
+                "source": {"topic": topic, "partition": partition, "offset": offset},
+                "rows": {"prompt": self.rows[0], "decoding": self.rows[1]}}

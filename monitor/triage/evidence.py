@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monitor.core.incidents import FAMILY, HEAD_SHARE
-from monitor.triage import outcomes
+from monitor.triage import generation, outcomes
+from monitor.triage.generation import LayerRows
 from monitor.triage.outcomes import Outcomes, Rate, wilson
 
 __all__ = ["Case", "Point", "Rate", "for_incident", "for_layer", "incident_cases", "wilson"]
@@ -47,6 +48,8 @@ class Case:
     involved: list[str] = field(default_factory=list)
     latest: dict[str, Any] | None = None  #: the newest anomaly record that carries evidence
     outcomes: Outcomes | None = None  #: the revision against its reference, the anomalous traces against the rest
+    #: every layer of the revision with findings (while the incident was open), by the rows they were measured on
+    rows: dict[int, LayerRows] = field(default_factory=dict)
     timelines: dict[str, dict[str, list[Point]]] = field(default_factory=dict)  #: metric → head → points
 
     @property
@@ -128,7 +131,7 @@ def for_layer(records: list[dict[str, Any]], model: str, revision: str, layer: i
         return _case(records, mine[0])
     chosen = [r for r in anomalies(records)
               if (r.get("model_id"), r.get("model_revision"), r.get("layer")) == (model, revision, layer)]
-    return _with_outcomes(_complete(Case(model, revision, layer, None, sorted(chosen, key=_detected))), records)
+    return _from_every_record(_complete(Case(model, revision, layer, None, sorted(chosen, key=_detected))), records)
 
 
 def _detected(record: dict[str, Any]) -> float:
@@ -148,7 +151,7 @@ def _case(records: list[dict[str, Any]], incident: dict[str, Any]) -> Case:
               and (family == "diversity" or FAMILY.get(str(r.get("kind"))) == family)
               and start - 1.0 <= _detected(r) <= end]
     case = Case(*key, incident, sorted(chosen, key=_detected))
-    return _with_outcomes(_complete(case), records)
+    return _from_every_record(_complete(case), records)
 
 
 def _complete(case: Case) -> Case:
@@ -169,10 +172,16 @@ def _complete(case: Case) -> Case:
     return case
 
 
-def _with_outcomes(case: Case, records: list[dict[str, Any]]) -> Case:
-    """The outcomes of the case's traces and of its revision, with the late outcomes and
-    newest tallies among every record read (:mod:`monitor.triage.outcomes`)."""
+def _from_every_record(case: Case, records: list[dict[str, Any]]) -> Case:
+    """What the case takes from every record read: the outcomes of its traces and of its
+    revision, with the late outcomes and newest tallies (:mod:`monitor.triage.outcomes`),
+    and the rows its revision's findings on every layer were measured on while the
+    incident was open (:mod:`monitor.triage.generation`)."""
     case.outcomes = outcomes.view(case.records, records, case.model, case.revision, case.layer)
+    incident = case.incident or {}
+    start = float(incident.get("evidence_since") or incident.get("opened_at") or math.inf) - 1.0
+    end = float(incident["at"]) if incident.get("state") == "closed" else math.inf
+    case.rows = generation.layer_rows(records, case.model, case.revision, start if incident else -math.inf, end)
     return case
 
 

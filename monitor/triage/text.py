@@ -12,6 +12,7 @@ from typing import Any
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 from monitor.triage import outcomes
 from monitor.triage.evidence import Case
+from monitor.triage.generation import LayerRows
 
 
 def select(records: Iterable[dict[str, Any]], model: str | None, revision: str | None, layer: int | None,
@@ -23,10 +24,14 @@ def select(records: Iterable[dict[str, Any]], model: str | None, revision: str |
             and (kind is None or r.get("kind") == kind)]
 
 
-def also_changed(note: dict[str, Any]) -> str:
-    """One annotation of an incident: another layer that changed while it was open."""
-    return (f"layer {note['layer']} ({note['relation']}, {note['findings']} findings"
-            + (", its evidence alone would have paged" if note.get("paged") else "") + ")")
+def also_changed(note: dict[str, Any], rows: LayerRows | None = None) -> str:
+    """One annotation of an incident: another layer that changed while it was open, and
+    what the rows its findings were measured on say (prompt rows, rows of generated tokens)."""
+    said = "" if rows is None else (f"; {rows.prompt} on prompt rows, {rows.decoding} on rows of generated tokens: "
+                                    + rows.reading(str(note["relation"])))
+    findings = max(int(note["findings"]), 0 if rows is None else rows.prompt + rows.decoding + rows.unknown)
+    return (f"layer {note['layer']} ({note['relation']}, {findings} findings"
+            + (", its evidence alone would have paged" if note.get("paged") else "") + said + ")")
 
 
 def incident_lines(cases: list[Case]) -> list[str]:
@@ -43,7 +48,8 @@ def incident_lines(cases: list[Case]) -> list[str]:
             f" ({kinds}); heads involved: " + (", ".join(case.involved) or "-"),
             "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i.get("side_effects", {}).items()))
                                   or "none"),
-            "  other layers: " + (", ".join(also_changed(a) for a in i.get("also_changed", [])) or "none"),
+            "  other layers: " + (", ".join(also_changed(a, case.rows.get(a["layer"]))
+                                            for a in i.get("also_changed", [])) or "none"),
         ]
         if strongest:
             lines.append(f"  strongest: {strongest.get('kind')} value {strongest.get('value', 0):.3f} against "
