@@ -75,8 +75,8 @@ class TraceProducer:
                 self._recent.popitem(last=False)
         return self._producer.send(self.topics.traces, key=header.request_id.encode(), value=value)
 
-    def send_outcome(self, request_id: str, outcome: str | None = None, *, label: str | None = None,
-                     score: float | None = None, timestamp: float | None = None) -> Any:
+    def send_outcome(self, request_id: str, outcome: str | None = None, timestamp: float | None = None, *,
+                     label: str | None = None, score: float | None = None) -> Any:
         """Queue how a request ended: ``outcome`` ``success`` or ``failure`` (what metrics
         and alerts count), ``label`` how it was given (``thumbs_down``, ``regenerate``,
         ``abandoned``, ``escalated``, ``thumbs_up``, ``accepted`` imply the outcome, which

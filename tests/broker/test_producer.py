@@ -55,7 +55,7 @@ def test_a_trace_id_is_sent_once_and_outcomes_say_success_or_failure_with_a_labe
         p.send(layer_1, weights_1).get(timeout=10)  # its own trace id: fine
         with pytest.raises(ValueError, match="outcome"):
             p.send_outcome(header.request_id, "ok")
-        p.send_outcome(header.request_id, "failure", timestamp=12.5).get(timeout=10)
+        p.send_outcome(header.request_id, "failure", 12.5).get(timeout=10)  # as before labels: positional time
         with pytest.raises(ValueError, match="means failure"):
             p.send_outcome(header.request_id, "success", label="thumbs_down")
         with pytest.raises(ValueError, match="less than or equal to 1"):
