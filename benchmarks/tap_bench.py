@@ -24,6 +24,14 @@ Llama of realistic width (8 layers of 8 heads, hidden 512, random weights), the 
 generated token under the same configurations: a sampled request's tap recomputes one
 row per head at every decoding step (4 kept, spread, plus the last) besides its prompt
 rows. Goal: at 1 % within 2 % of the untapped model.
+
+Last, continuous batching (``--cb-rounds``): the same Llama served by one running manager
+of transformers' continuous batching; each round submits ``--cb-requests`` requests of
+varied prompt lengths at once (they share the batches) and waits for all of them; the
+figure is the time per generated token, mean and median over rounds. The tap is attached
+to the running manager and detached again for each tapped round (what the design allows);
+request ids are new every round, so at 1 % about one request in a hundred is traced, and
+the mean over rounds is the figure to read. Goal: at 1 % within 2 % of the untapped model.
 """
 
 from __future__ import annotations
@@ -140,6 +148,55 @@ def measure_generation(name: str, model: Any, inputs: dict[str, torch.Tensor], r
     medians({rate: timer(model, inputs, rate, work, per=new_tokens) for rate in RATES}, rounds)
 
 
+def measure_continuous_batching(model: Any, rounds: int, requests: int, new_tokens: int) -> None:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(16, 129, (requests,), generator=generator).tolist()
+    prompts = [torch.randint(1, 1000, (n,), generator=generator).tolist() for n in lengths]
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512, page_size=32))
+    manager.start()
+
+    def run(rate: float | str | None) -> float:
+        tap = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate, revision="bench")
+        try:
+            start = time.perf_counter()
+            ids = {manager.add_request(p, request_id=f"cb-{next(_requests)}", max_new_tokens=new_tokens)
+                   for p in prompts}
+            while ids:
+                output = manager.get_result(timeout=300)
+                if output is None:
+                    raise RuntimeError("the manager stopped answering")
+                if output.is_finished():
+                    ids.discard(output.request_id)
+            return (time.perf_counter() - start) / (requests * new_tokens)
+        finally:
+            if tap is not None:
+                tap.detach(timeout=60)
+
+    print(f"continuous batching, Llama 8x8 hidden 512 (sdpa): {requests} requests of {min(lengths)}-{max(lengths)} "
+          f"prompt tokens at once, {new_tokens} new tokens each, {rounds} rounds, per generated token")
+    try:
+        for rate in RATES:
+            run(rate)  # warm-up of every path
+        times: dict[float | str | None, list[float]] = {rate: [] for rate in RATES}
+        for _ in range(rounds):
+            for rate in RATES:
+                times[rate].append(run(rate))
+    finally:
+        manager.stop(block=True, timeout=60)
+    base_mean, base_median = statistics.mean(times[None]), statistics.median(times[None])
+    for rate, values in times.items():
+        label = {None: "untapped", "again": "untapped again"}.get(rate) or f"tap at {rate:.0%}"  # type: ignore
+        mean, median = statistics.mean(values), statistics.median(values)
+        extra = "the reference" if rate is None else \
+            f"mean {(mean / base_mean - 1) * 100:+.1f} %, median {(median / base_median - 1) * 100:+.1f} %"
+        print(f"  {label:<15} mean {mean * 1e3:7.2f} ms  median {median * 1e3:7.2f} ms   {extra}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
@@ -147,9 +204,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="sampled query rows per head")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens each generate() call makes")
     parser.add_argument("--generate-rounds", type=int, default=10)
+    parser.add_argument("--cb-rounds", type=int, default=10, help="rounds under continuous batching (0: skip)")
+    parser.add_argument("--cb-requests", type=int, default=8, help="requests submitted at once a round")
+    parser.add_argument("--cb-only", action="store_true", help="only the continuous-batching measurement")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    wide = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                        num_attention_heads=8, num_key_value_heads=8, vocab_size=1000,
+                                        max_position_embeddings=512, attn_implementation="sdpa")).eval()
+    if args.cb_rounds:
+        measure_continuous_batching(wide, args.cb_rounds, args.cb_requests, args.new_tokens)
+    if args.cb_only:
+        return
     tiny = llama("sdpa")
     ids = torch.randint(1, 100, (args.batch, 64))
     mask = torch.ones_like(ids)
@@ -160,9 +227,6 @@ def main() -> None:
     text = [SENTENCES[i % len(SENTENCES)] * (1 + i % 3) for i in range(args.batch)]
     inputs = dict(tokenizer(text, padding=True, return_tensors="pt"))
     measure("all-MiniLM-L6-v2 (sdpa)", model, inputs, args.rounds, args.rows)
-    wide = LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                                        num_attention_heads=8, num_key_value_heads=8, vocab_size=1000,
-                                        max_position_embeddings=512, attn_implementation="sdpa")).eval()
     prompt = torch.randint(1, 1000, (4, 48))
     attention = torch.ones_like(prompt)
     for b in range(4):

@@ -29,33 +29,18 @@ import contextvars
 import inspect
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from numpy.typing import NDArray
 
 from monitor.integrations.decoding import DecodeRows, Step
+from monitor.integrations.generation_rows import Capture, Plan, capture_traces, make_plan
 from monitor.integrations.recompute import learned_sinks, row_weights
-from monitor.integrations.row_sampling import rank, row_seed
 from monitor.integrations.sender import Sender
 from monitor.protocol.schema import Scope, TraceHeader, check_identifier
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What a request's traces cover, the same at every layer: the sampled sequences of
-    the batch, their real (not padding) keys and their sampled rows."""
-
-    sequences: torch.Tensor  #: [S] batch index of each traced sequence
-    real: torch.Tensor  #: [S, K] True where the key is a real token
-    rows: torch.Tensor  #: [S, R] key position of each sampled row (a short sequence repeats its last)
-    counts: tuple[int, ...]  #: rows of each sequence
-    keys: tuple[NDArray[np.int64], ...]  #: real key positions of each sequence
-    positions: tuple[tuple[int, ...], ...]  #: each row's position among the real keys
 
 
 @dataclass
@@ -70,8 +55,8 @@ class _Request:
     padding: torch.Tensor | None = None  #: the 2-D attention mask the model was called with last (1 = token)
     left: torch.Tensor | None = None  #: [batch] left padding of the prompt, when no 2-D mask says it
     cached: int | None = None  #: keys in the cache before the current forward (None: no cache seen)
-    plans: dict[tuple[int, int], _Plan | None] = field(default_factory=dict)  #: (end, first) → plan
-    captures: dict[int, _Capture] = field(default_factory=dict)  #: layer → its prompt rows (and decode rows)
+    plans: dict[tuple[int, int], Plan | None] = field(default_factory=dict)  #: (end, first) → plan
+    captures: dict[int, Capture] = field(default_factory=dict)  #: layer → its prompt rows (and decode rows)
     prompt_length: int | None = None  #: the padded prompt's length, when ``generate`` said it
     prompt_mask: torch.Tensor | None = None  #: [batch, prompt_length] its real tokens (1)
     decoding: bool = True  #: whether decoding steps are traced (not under speculative decoding)
@@ -82,23 +67,6 @@ class _Request:
 
 
 _ACTIVE: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("attention_tap_request", default=None)
-
-
-@dataclass
-class _Capture:
-    """One layer's sampled rows of every traced sequence of a request: the prompt's, then
-    the decoding steps' kept so far."""
-
-    request: _Request
-    plan: _Plan
-    layer: int
-    weights: NDArray[np.float16]  #: [S, H, R, K] of the prompt rows
-    sink: NDArray[np.float16] | None  #: [S, H, R]: their learned sink's mass
-    decode: DecodeRows
-    filled: NDArray[np.bool_]  #: [S, R] the prompt rows computed so far
-    real: NDArray[np.bool_] | None = None  #: [S, K'] the traced sequences' real keys at the last step
-
-
 
 
 class Generation:
@@ -304,7 +272,7 @@ class Generation:
                 if plan is None:
                     return
                 size, count, end = len(plan.counts), plan.rows.shape[1], plan.real.shape[1]
-                captured = state.captures[layer] = _Capture(
+                captured = state.captures[layer] = Capture(
                     state, plan, layer, np.zeros((size, query.shape[1], count, end), np.float16),
                     None if sinks is None else np.zeros((size, query.shape[1], count), np.float16),
                     DecodeRows(self.decode_rows), np.zeros((size, count), bool))
@@ -326,7 +294,7 @@ class Generation:
             decode.hold(index, recompute)
 
     @staticmethod
-    def _prompt_rows(captured: _Capture, cached: int, shift: int, query: torch.Tensor, key: torch.Tensor,
+    def _prompt_rows(captured: Capture, cached: int, shift: int, query: torch.Tensor, key: torch.Tensor,
                      mask: torch.Tensor | None, kwargs: dict[str, Any], scaling: float, is_causal: bool,
                      sinks: torch.Tensor | None) -> None:
         """The plan's prompt rows whose queries this pass computes (positions ``cached …
@@ -351,7 +319,7 @@ class Generation:
                 captured.sink[s, :, r] = sink[s, :, r].to(torch.float16).cpu().numpy()
         captured.filled |= take
 
-    def _decode_step(self, state: _Request, captured: _Capture, index: int, query: torch.Tensor, key: torch.Tensor,
+    def _decode_step(self, state: _Request, captured: Capture, index: int, query: torch.Tensor, key: torch.Tensor,
                      mask: torch.Tensor | None, kwargs: dict[str, Any], scaling: float, is_causal: bool,
                      sinks: torch.Tensor | None) -> Step:
         """One decoding step's row of each traced sequence, over the keys so far."""
@@ -377,83 +345,17 @@ class Generation:
         return Step(index, absolute, absolute + 1, row,
                     None if sink is None else sink[:, :, 0].to(torch.float16).cpu().numpy())
 
-    def _plan(self, state: _Request, k_len: int, offset: int, device: torch.device) -> _Plan | None:
-        """The request's plan over the prompt's ``k_len`` key positions, its rows among
-        positions ``offset`` and later (made at its first traced layer): real keys from
-        the prompt's 2-D mask, and ``rows`` real query positions per sequence,
-        reproducible from the request id and the seed."""
-        if (k_len, offset) in state.plans:
-            return state.plans[(k_len, offset)]
-        padding = state.prompt_mask if state.prompt_mask is not None else state.padding
-        if padding is not None and padding.shape[-1] <= k_len:  # keys beyond it (a static cache's) are not real
-            real = torch.zeros(len(state.request_ids), k_len, dtype=torch.bool, device=device)
-            real[:, : padding.shape[-1]] = padding.to(device) != 0
-        else:
-            real = torch.ones(len(state.request_ids), k_len, dtype=torch.bool, device=device)
-        chosen = [b for b, sampled in enumerate(state.sampled) if sampled]
-        on_host = real.cpu().numpy()[chosen]  # [S, K]
-        among_real = np.cumsum(on_host, axis=1) - 1  # each real key's index among the sequence's real keys
-        queries = on_host & (np.arange(k_len) >= offset)
-        keep: NDArray[np.bool_] = np.asarray(queries.any(axis=1))
-        if not keep.any():
-            state.plans[(k_len, offset)] = None
-            return None
-        chosen = [b for b, k in zip(chosen, keep, strict=True) if k]
-        on_host, among_real, queries = on_host[keep], among_real[keep], queries[keep]
-        seeds = np.array([row_seed(self.seed, state.request_ids[b]) for b in chosen], dtype=np.uint64)
-        ranks = np.where(queries, rank(among_real.astype(np.uint64), seeds[:, None]), np.iinfo(np.uint64).max)
-        picked = np.argsort(ranks, axis=1, kind="stable")[:, : self.rows]  # key positions, best ranked first
-        valid = np.take_along_axis(queries, picked, axis=1)
-        counts = valid.sum(axis=1)
-        last = np.where(valid, picked, -1).max(axis=1, keepdims=True)
-        rows = np.sort(np.where(valid, picked, last), axis=1)  # a short sequence repeats its last row
-        positions = np.take_along_axis(among_real, rows, axis=1)
-        plan = _Plan(
-            torch.tensor(chosen, device=device), real[chosen], torch.as_tensor(rows, device=device),
-            tuple(int(c) for c in counts), tuple(np.flatnonzero(row) for row in on_host),
-            tuple(tuple(int(p) for p in positions[i, : counts[i]]) for i in range(len(chosen))))
-        state.plans[(k_len, offset)] = plan
-        return plan
+    def _plan(self, state: _Request, k_len: int, offset: int, device: torch.device) -> Plan | None:
+        """The request's plan (made at its first traced layer, the same at every layer)."""
+        if (k_len, offset) not in state.plans:
+            padding = state.prompt_mask if state.prompt_mask is not None else state.padding
+            state.plans[(k_len, offset)] = make_plan(padding, state.request_ids, state.sampled, k_len, offset,
+                                                     self.rows, self.seed, device)
+        return state.plans[(k_len, offset)]
 
-    def traces(self, capture: _Capture) -> list[tuple[Any, ...]]:
-        """Header, weights (and the learned sink's mass) of each sequence of a capture,
-        on the sender thread: its prompt rows, then its decoding steps', each over the
-        sequence's real keys as of the last step (a row sees none of the keys after it)."""
-        plan, request = capture.plan, capture.request
-        template = self._templates[capture.layer]
-        steps = capture.decode.chosen()
-        out: list[tuple[Any, ...]] = []
-        for i, b in enumerate(plan.sequences.tolist()):
-            request_id = request.request_ids[b]
-            prompt_keys = plan.keys[i]  # the prompt's real key positions
-            count = plan.counts[i]
-            if steps and capture.real is not None:
-                keys = np.flatnonzero(capture.real[i])  # real key positions up to the last step
-                total = int(keys[-1]) + 1
-                weights = np.zeros((capture.weights.shape[1], count + len(steps), total), np.float16)
-                weights[:, :count, : capture.weights.shape[-1]] = capture.weights[i, :, :count]
-                for r, step in enumerate(steps):
-                    weights[:, count + r, : step.keys] = step.weights[i]
-                weights = np.ascontiguousarray(weights[:, :, keys])
-                among = np.searchsorted(keys, [step.position for step in steps])
-                positions = (*plan.positions[i], *(int(p) for p in among))
-                extra = {"prompt_length": len(prompt_keys), "key_count": len(keys)}
-                sink = None if capture.sink is None else np.ascontiguousarray(np.concatenate(
-                    [capture.sink[i, :, :count], np.stack([step.sink[i] for step in steps if step.sink is not None],
-                                                          axis=-1)], axis=-1))
-            else:
-                weights = np.ascontiguousarray(capture.weights[i, :, :count][:, :, prompt_keys])
-                positions = plan.positions[i]
-                extra = {"key_count": len(prompt_keys)}
-                sink = None if capture.sink is None else np.ascontiguousarray(capture.sink[i, :, :count])
-            trace_id = f"{request_id}/{capture.layer}/{uuid.uuid4().hex[:12]}" if len(request_id) <= 100 \
-                else uuid.uuid4().hex
-            header = template.model_copy(update={
-                "trace_id": trace_id, "request_id": request_id, "query_positions": positions, "scope": request.scope,
-                "timestamp": request.timestamp, **extra})
-            out.append((header, weights) if sink is None else (header, weights, sink))
-        return out
-
+    def traces(self, capture: Capture) -> list[tuple[Any, ...]]:
+        """A capture's traces (on the sender thread)."""
+        return capture_traces(capture, self._templates[capture.layer])
 
 def _own_position(mask: torch.Tensor | None, k_len: int) -> int:
     """The key position of a decoding step's query (one token): the last key its mask

@@ -45,10 +45,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers.utils.generic import is_flash_attention_requested
 
 from monitor.integrations.attention_wrapper import AttentionWrapper
 from monitor.integrations.continuous_batching import ContinuousBatching, Stream
@@ -110,6 +112,7 @@ class AttentionTap(AttentionWrapper):
         self._generation = Generation(model, rows=rows, decode_rows=decode_rows, layers=self.layers, seed=seed,
                                       sampled=self.sampled, sender=self._sender, untraced=self._untraced,
                                       layer_of=self.layer, templates=self._templates)
+        self._pass = threading.local()  #: whether the current thread's forward pass runs an unknown kernel
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._after = model.register_forward_hook(lambda *_: self._batching.after_forward())
         super().__init__(model, "attention-monitor-tap")
@@ -177,6 +180,14 @@ class AttentionTap(AttentionWrapper):
     # --- inside the forward pass ---------------------------------------------------------
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        self._pass.unknown = not _known_kernel(implementation)
+        if self._pass.unknown:
+            self._batching.after_forward()
+            self._untraced("unknown_kernel", f"the attention implementation {implementation!r} is not one whose "
+                           "rows the tap knows how to recompute (eager, sdpa, paged|eager, flash): forward passes "
+                           "under it are served untraced")
+            return
         try:
             if self._batching.before_forward(kwargs):
                 return
@@ -209,6 +220,8 @@ class AttentionTap(AttentionWrapper):
 
     def around(self, module: Any, output: Any, query: torch.Tensor, key: torch.Tensor,
                attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
+        if getattr(self._pass, "unknown", False):
+            return output
         if self._batching.active():
             try:
                 self._batching.around(module, query, key, kwargs)
@@ -222,6 +235,13 @@ class AttentionTap(AttentionWrapper):
             self._sender.failed()
             log.warning("attention tap: capturing failed: %s: %s", type(exc).__name__, exc)
         return output
+
+def _known_kernel(implementation: str | None) -> bool:
+    """Whether the tap knows what an attention implementation computes (its rows are
+    recomputed from the query, the keys and the mask or positions it gets)."""
+    return implementation in (None, "eager", "sdpa", "paged|eager") or \
+        is_flash_attention_requested(requested_attention_implementation=implementation)
+
 
 def _sink_layers(model: Any) -> frozenset[int] | None:
     """The layers whose attention modules have learned sink logits (gpt-oss's ``sinks``)."""

@@ -235,3 +235,23 @@ def test_softcapping_and_sliding_windows_under_eager():
         rows = list(header.query_positions)
         expected = reference.attentions[header.layer][0].numpy()[:, rows]
         np.testing.assert_allclose(weights.astype(np.float32), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_an_unknown_attention_kernel_is_served_untraced_and_counted(caplog):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("house-kernel", sdpa_attention_forward)
+    model, _ = twins("llama")
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        untapped = model(input_ids=ids).logits
+    model.set_attn_implementation("house-kernel")
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0)
+    with tap.request("r1"), torch.no_grad():
+        tapped = model(input_ids=ids).logits
+    counts = tap.detach()
+    assert torch.equal(tapped, untapped)
+    assert not sink.traces and counts.untraced == {"unknown_kernel": 1} and counts.failed == 0
+    assert "'house-kernel' is not one whose rows the tap knows how to recompute" in caplog.text
