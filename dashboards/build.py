@@ -23,6 +23,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
 from grafana_foundation_sdk.models.dashboard import (
     DataSourceRef,
+    DynamicConfigValue,
     GridPos,
     VariableOption,
     VariableRefresh,
@@ -82,6 +83,64 @@ def panel(title: str, description: str, expr: str | list[tuple[str, str]], unit:
         built = built.data_links([link("Triage page of ${__field.labels.model} ${__field.labels.revision} layer "
                                        "${__field.labels.layer}", TRIAGE_SERIES)])
     return built
+
+
+#: the two-sided 95 % normal quantile and its square, for Wilson intervals in PromQL
+Z, Z2 = "1.959963984540054", "3.8414588206941254"
+
+
+def outcome_counts(outcome: str, selector: str, window: str = "1h") -> str:
+    """A revision's traces with that outcome over ``window``, per layer averaged over its
+    layers (each request counts once a layer, so the average is about its requests)."""
+    return (f"avg by (model, revision) (sum by (model, revision, layer) "
+            f"(increase(attention_trace_outcomes_total{{outcome=~\"{outcome}\",{selector}}}[{window}])))")
+
+
+def wilson(failures: str, joined: str, bound: str) -> str:
+    """PromQL of the Wilson score 95 % interval's ``low``, ``high`` bound or its centre
+    (``rate``: the failure rate itself) of ``failures`` among ``joined``."""
+    p, n = f"({failures}) / ({joined})", f"({joined})"
+    if bound == "rate":
+        return p
+    centre = f"({p} + {Z2} / (2 * {n})) / (1 + {Z2} / {n})"
+    half = f"{Z} * sqrt({p} * (1 - {p}) / {n} + {Z2} / (4 * {n} ^ 2)) / (1 + {Z2} / {n})"
+    return f"{centre} {'-' if bound == 'low' else '+'} {half}"
+
+
+def judged_against(expr: str) -> str:
+    """``expr`` (by model, revision) of each selected revision's *reference*: the revision
+    whose reference judges it (``attention_reference_judge``), as a series of the selected
+    revision with a ``reference`` label."""
+    return ('max by (model, revision, reference) (attention_reference_judge{model=~"$model",revision=~"$revision"})'
+            '\n  * on (model, reference) group_left\n'
+            f'label_replace({expr}, "reference", "$1", "revision", "(.*)")')
+
+
+def failure_rate_against_reference() -> Any:
+    """The revision's failure rate against its judging reference revision's, with intervals."""
+    mine = 'model=~"$model",revision=~"$revision",layer=~"$layer"'
+    theirs = 'model=~"$model",layer=~"$layer"'
+    queries = []
+    for bound, suffix in (("rate", ""), ("low", " 95 % low"), ("high", " 95 % high")):
+        queries.append((wilson(outcome_counts("failure", mine), outcome_counts("success|failure", mine), bound),
+                        "{{revision}}" + suffix))
+    for bound, suffix in (("rate", ""), ("low", " 95 % low"), ("high", " 95 % high")):
+        queries.append((judged_against(wilson(outcome_counts("failure", theirs),
+                                              outcome_counts("success|failure", theirs), bound)),
+                        "reference of {{revision}}: {{reference}}" + suffix))
+    built = panel(
+        "Failure rate against the reference revision",
+        "Did this revision hurt users? The share of its requests that failed over the last hour (outcome failure; "
+        "late outcomes count when they come), against the revision whose reference judges it (a canary's pin; a "
+        "revision that judges itself is its own reference), with 95 % Wilson intervals (dashed). Per-layer counts "
+        "averaged over the selected layers, about one per request. For a fault of the whole revision this is the "
+        "contrast that shows harm; the anomalous traces' outcomes (above, and on the triage page) answer whether "
+        "anomalous traces fail more within a revision. Correlational: traffic mix moves it too.",
+        queries, "percentunit", x=0, y=32, w=24, h=9, minimum=0, maximum=1,
+        links=(link("Triage page of this layer", TRIAGE_LAYER),))
+    return built.override_by_regexp(".* 95 % (low|high)$", [
+        DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [6, 4]}),
+        DynamicConfigValue(id_val="custom.lineWidth", value=1)])
 
 
 def variable(name: str, query: str, label: str) -> db.QueryVariable:
@@ -182,6 +241,7 @@ def drilldown() -> Any:
         panel("Outcomes of anomalous traces", "Joined anomalous traces per second, by task outcome.",
               f"sum by (kind, outcome) (rate(attention_anomaly_outcomes_total{{{SELECTOR}}}[$__rate_interval]))",
               "ops", "{{kind}} {{outcome}}", x=0, y=24, w=24),
+        failure_rate_against_reference(),
     ])
 
 
