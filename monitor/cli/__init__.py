@@ -8,11 +8,11 @@ measuring process died; 130 interrupted.
 
 from __future__ import annotations
 
-from monitor.cli import admin, models, service
+from monitor.cli import admin, models, service, serving
 from monitor.cli.app import app
 
 __all__ = ["app", "main"]
-_COMMANDS = (admin, models, service)  # imported for the commands they register on ``app``
+_COMMANDS = (admin, models, service, serving)  # imported for the commands they register on ``app``
 
 
 def main() -> None:

@@ -1,0 +1,240 @@
+"""Commands for a served LLM: serve it with the attention tap, and send the outcomes of its
+completions by the ids the API returned."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from monitor.cli.app import EXIT_FAILED, EXIT_USAGE, app, load_settings
+from monitor.errors import ExitCode
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command(context_settings=_PASS_THROUGH)
+def serve(
+    ctx: typer.Context,
+    sample_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of requests traced, decided by a "
+                                               "hash of the request's id")] = 0.01,
+    rows: Annotated[int, typer.Option(min=1, help="prompt rows per trace")] = 4,
+    decode_rows: Annotated[int, typer.Option(min=0, help="decoding steps per trace, spread over the answer plus "
+                                             "the last (0: none)")] = 4,
+    layers: Annotated[str | None, typer.Option(help="comma-separated layers to trace (default: all)")] = None,
+    sample_seed: Annotated[int, typer.Option(help="seed of the sampling hash and of the rows chosen")] = 0,
+    model_id: Annotated[str | None, typer.Option(help="the model id traces carry (default: the checkpoint "
+                                                 "directory's name, or the hub repository's id)")] = None,
+    model_revision: Annotated[str | None, typer.Option(help="the revision traces carry (default: the checkpoint "
+                                                       "files' sha256, as `contract derive` names it)")] = None,
+    tenant: Annotated[str, typer.Option(help="scope of the traces: tenant")] = "default",
+    data_class: Annotated[str, typer.Option(help="scope of the traces: data class")] = "internal",
+    key_id: Annotated[str | None, typer.Option(help="keyring key that signs traces and the contract (default: the "
+                                               "first)")] = None,
+    producer_id: Annotated[str | None, typer.Option(help="producer id traces carry (default: the host name)")]
+    = None,
+    queue_size: Annotated[int, typer.Option(min=1, help="traces waiting to be sent; beyond, dropped and "
+                                            "counted (generation never waits)")] = 1024,
+    tap_log_interval: Annotated[float, typer.Option(min=1.0, help="seconds between the model process's counts "
+                                                    "lines (while they change)")] = 60.0,
+    contract_timeout: Annotated[float, typer.Option(min=1.0, help="seconds the model contract's publication may "
+                                                    "take at start")] = 30.0,
+) -> None:
+    """Run transformers' own OpenAI-compatible server with the attention tap.
+
+    Usage: attention-monitor serve MODEL [transformers serve options] [these options].
+    Every option not listed here is `transformers serve`'s own, passed on as is
+    (`transformers serve --help` lists them: --port, --host, --continuous-batching,
+    --attn-implementation, --api-server-count, --device, ...).
+
+    The model's process attaches the tap after loading the model and publishes the model
+    contract before the first request; it logs the revision, then its counts every
+    --tap-log-interval seconds. Each completion is traced under the id its client knows:
+    the X-Request-ID it sent, or else the id the API returns (chatcmpl-..., cmpl-...,
+    resp_...). Send its outcome later with `attention-monitor outcome ID success|failure`.
+
+    Kafka, topics and keyring come from the ATTENTION_MONITOR_* settings, as for `run`.
+    Exit codes: 0 stopped (Ctrl-C, SIGTERM), 1 unusable settings, an unsupported
+    transformers, or the server stopped on an error (the model or its contract could not
+    be loaded or published), 2 bad usage. docs/serving.md explains.
+    """
+    from monitor.errors import ConfigurationError
+    from monitor.producer import Scope
+
+    settings = load_settings()
+    try:
+        keyring = settings.keyring()
+        scope = Scope(tenant=tenant, data_class=data_class)
+        chosen = _layers(layers)
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    kid = key_id or next(iter(sorted(keyring.keys)), None)
+    secret = keyring.secret(kid) if kid else None
+    if kid is None or secret is None:
+        typer.echo(f"error: key {kid!r} is not in the keyring", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    try:
+        from monitor.integrations.serving import Publisher, ServeTap
+        from monitor.integrations.serving_transformers import serve_command, unsupported
+    except ImportError as exc:
+        typer.echo(f"error: serving needs torch and transformers' server: pip install 'attention-monitor[serving]' "
+                   f"({exc})", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    if (problem := unsupported()) is not None:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(EXIT_FAILED)
+    tap = ServeTap(Publisher(settings.kafka_connection().kafka_python(), settings.topics(), kid, secret), scope,
+                   sample_rate=sample_rate, rows=rows, decode_rows=decode_rows, layers=chosen, seed=sample_seed,
+                   model_id=model_id, revision=model_revision, producer_id=producer_id, queue_size=queue_size,
+                   log_interval_s=tap_log_interval, contract_timeout_s=contract_timeout)
+    _run(serve_command(tap), ctx.args)
+
+
+def _layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ValueError(f"--layers must be comma-separated layer numbers, got {text!r}") from exc
+
+
+def _run(command: Any, args: list[str]) -> None:
+    """Run transformers' server command on ``args``; its usage errors exit 2, its
+    failures 1."""
+    import click
+
+    try:
+        code = command.main(args=list(args), prog_name="attention-monitor serve", standalone_mode=False)
+    except click.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    except click.exceptions.Abort as exc:
+        raise typer.Exit(ExitCode.INTERRUPTED) from exc
+    except (RuntimeError, ValueError, ImportError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    raise typer.Exit(code if isinstance(code, int) else 0)
+
+
+@app.command()
+def outcome(
+    request_id: Annotated[str | None, typer.Argument(metavar="ID", help="the completion's id, as the API returned "
+                                                     "it (or the X-Request-ID the client sent)")] = None,
+    result: Annotated[str | None, typer.Argument(metavar="OUTCOME", help="success or failure")] = None,
+    from_file: Annotated[Path | None, typer.Option("--from", help="send many instead: JSON lines "
+                                                   '{"request_id": ..., "outcome": ..., "timestamp": ...} '
+                                                   "(timestamp optional); - reads stdin")] = None,
+    timestamp: Annotated[float | None, typer.Option(help="when the outcome was known, epoch seconds (default: "
+                                                    "now)")] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for Kafka's acknowledgement")] = 30.0,
+) -> None:
+    """Send the outcome of a completion, joined by the monitor to its traces.
+
+    The outcome goes to the outcomes topic keyed by the id (as TraceProducer.send_outcome
+    sends it), so it meets the completion's traces in one monitor instance. It joins them
+    if it arrives within ATTENTION_MONITOR_JOIN_TTL_S of them; later ones are counted as
+    missing. Kafka settings come from ATTENTION_MONITOR_* as for `run` (no keyring needed:
+    outcomes are not signed; Kafka's ACLs decide who may write them).
+    Exit codes: 0 every outcome acknowledged, 1 unusable settings, 2 bad usage or an
+    invalid id, outcome or line (nothing is sent then), 3 Kafka did not acknowledge.
+    """
+    records = _outcomes(request_id, result, from_file, timestamp)
+    settings = load_settings()
+    topic = settings.topics().outcomes
+    try:
+        sent = _send(records, settings, timeout)
+    except _NotAcknowledged as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
+    if len(records) == 1:
+        typer.echo(f"outcome {records[0].outcome} of {records[0].request_id} acknowledged on {topic} "
+                   f"(partition {sent[0][0]}, offset {sent[0][1]})")
+    else:
+        typer.echo(f"{len(records)} outcomes acknowledged on {topic}")
+
+
+class _NotAcknowledged(Exception):
+    pass
+
+
+def _outcomes(request_id: str | None, result: str | None, from_file: Path | None, timestamp: float | None) -> list[Any]:
+    """The outcome records to send, every one validated first (exit 2 naming the first bad one)."""
+    import time
+
+    from pydantic import ValidationError
+
+    from monitor.producer import OUTCOMES, TaskOutcome
+
+    single = request_id is not None and result is not None
+    if single == (from_file is not None) or (not single and (request_id is not None or result is not None)):
+        typer.echo("error: give ID and OUTCOME, or --from FILE", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    now = time.time() if timestamp is None else timestamp
+    if from_file is None:
+        entries: list[tuple[str, Any]] = [("", {"request_id": request_id, "outcome": result, "timestamp": now})]
+    else:
+        try:
+            text = sys.stdin.read() if str(from_file) == "-" else from_file.read_text()
+        except OSError as exc:
+            typer.echo(f"error: cannot read {from_file}: {exc.strerror}", err=True)
+            raise typer.Exit(EXIT_USAGE) from exc
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as exc:
+                typer.echo(f"error: {from_file} line {number} is not JSON: {exc}", err=True)
+                raise typer.Exit(EXIT_USAGE) from exc
+            if isinstance(entry, dict):
+                entry.setdefault("timestamp", now)
+            entries.append((f"{from_file} line {number}: ", entry))
+    records = []
+    for where, entry in entries:
+        try:
+            records.append(TaskOutcome.model_validate(entry))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors())
+            typer.echo(f"error: {where}{problems} (the outcome is one of {', '.join(OUTCOMES)}; an id is 1-128 "
+                       "characters of A-Z a-z 0-9 . _ : / @ + = -)", err=True)
+            raise typer.Exit(EXIT_USAGE) from exc
+    if not records:
+        typer.echo(f"error: {from_file} holds no outcome", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    return records
+
+
+def _send(records: list[Any], settings: Any, timeout: float) -> list[tuple[int, int]]:
+    """Send and wait for each record's acknowledgement: (partition, offset) of each."""
+    from monitor.producer import TraceProducer
+
+    connection = settings.kafka_connection()
+    try:
+        # outcomes are not signed: the producer's key is never used for them
+        producer = TraceProducer(key_id="outcomes", secret=b"", topics=settings.topics(), **connection.kafka_python())
+    except Exception as exc:  # kafka-python's errors (no broker, bad security settings)
+        raise _NotAcknowledged(f"cannot reach Kafka at {connection.bootstrap_servers}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    try:
+        futures = [producer.send_outcome(r.request_id, r.outcome, r.timestamp) for r in records]
+        sent = []
+        for record, future in zip(records, futures, strict=True):
+            try:
+                metadata = future.get(timeout=timeout)
+            except Exception as exc:
+                raise _NotAcknowledged(f"the outcome of {record.request_id} was not acknowledged on "
+                                       f"{settings.topics().outcomes} within {timeout:g} s: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            sent.append((int(metadata.partition), int(metadata.offset)))
+        return sent
+    finally:
+        producer.close(timeout)
