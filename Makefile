@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml
 	$(UV) -e '.[dev]'
 	touch $(STAMP)
 
-# torch and transformers for the attention tap's tests (the service itself never needs them)
+# torch, transformers and its HTTP server for the attention tap's tests (the service itself never needs them)
 $(MODELS_STAMP): $(STAMP)
-	$(UV) -e '.[dev,transformers,test-models]'
+	$(UV) -e '.[dev,transformers,serving,test-models]'
 	touch $(MODELS_STAMP)
 
 demo: $(STAMP)

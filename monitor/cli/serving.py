@@ -128,25 +128,32 @@ def _run(command: Any, args: list[str]) -> None:
 def outcome(
     request_id: Annotated[str | None, typer.Argument(metavar="ID", help="the completion's id, as the API returned "
                                                      "it (or the X-Request-ID the client sent)")] = None,
-    result: Annotated[str | None, typer.Argument(metavar="OUTCOME", help="success or failure")] = None,
-    from_file: Annotated[Path | None, typer.Option("--from", help="send many instead: JSON lines "
-                                                   '{"request_id": ..., "outcome": ..., "timestamp": ...} '
-                                                   "(timestamp optional); - reads stdin")] = None,
+    result: Annotated[str | None, typer.Argument(metavar="OUTCOME", help="success or failure (what metrics and "
+                                                 "alerts count); may be left out when --label implies it")] = None,
+    label: Annotated[str | None, typer.Option(help="how it was given: thumbs_down, regenerate, abandoned, escalated "
+                                              "(failure), thumbs_up, accepted (success), or any lower-case word")]
+    = None,
+    score: Annotated[float | None, typer.Option(help="a grade from 0 to 1")] = None,
+    from_file: Annotated[Path | None, typer.Option("--from", help="send many instead: JSON lines as the outcomes "
+                                                   'topic holds them, {"request_id": ..., "outcome": ..., "label": '
+                                                   '..., "score": ..., "timestamp": ...} (all but the id optional '
+                                                   "as above); - reads stdin")] = None,
     timestamp: Annotated[float | None, typer.Option(help="when the outcome was known, epoch seconds (default: "
                                                     "now)")] = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for Kafka's acknowledgement")] = 30.0,
 ) -> None:
     """Send the outcome of a completion, joined by the monitor to its traces.
 
-    The outcome goes to the outcomes topic keyed by the id (as TraceProducer.send_outcome
-    sends it), so it meets the completion's traces in one monitor instance. It joins them
-    if it arrives within ATTENTION_MONITOR_JOIN_TTL_S of them; later ones are counted as
-    missing. Kafka settings come from ATTENTION_MONITOR_* as for `run` (no keyring needed:
-    outcomes are not signed; Kafka's ACLs decide who may write them).
+    ID is the id the API returned (chatcmpl-..., cmpl-..., resp_...) or the X-Request-ID
+    the client sent. The outcome goes to the outcomes topic keyed by the id, as
+    TraceProducer.send_outcome sends it (docs/wire-format.md), so it meets the
+    completion's traces in one monitor instance. Kafka settings come from
+    ATTENTION_MONITOR_* as for `run` (no keyring needed: outcomes are not signed; Kafka's
+    ACLs decide who may write them).
     Exit codes: 0 every outcome acknowledged, 1 unusable settings, 2 bad usage or an
     invalid id, outcome or line (nothing is sent then), 3 Kafka did not acknowledge.
     """
-    records = _outcomes(request_id, result, from_file, timestamp)
+    records = _outcomes(request_id, result, from_file, {"label": label, "score": score, "timestamp": timestamp})
     settings = load_settings()
     topic = settings.topics().outcomes
     try:
@@ -155,7 +162,10 @@ def outcome(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
     if len(records) == 1:
-        typer.echo(f"outcome {records[0].outcome} of {records[0].request_id} acknowledged on {topic} "
+        record = records[0]
+        graded = "".join(f" {name} {value}" for name, value in (("label", record.label), ("score", record.score))
+                         if value is not None)
+        typer.echo(f"outcome {record.outcome}{graded} of {record.request_id} acknowledged on {topic} "
                    f"(partition {sent[0][0]}, offset {sent[0][1]})")
     else:
         typer.echo(f"{len(records)} outcomes acknowledged on {topic}")
@@ -165,21 +175,23 @@ class _NotAcknowledged(Exception):
     pass
 
 
-def _outcomes(request_id: str | None, result: str | None, from_file: Path | None, timestamp: float | None) -> list[Any]:
-    """The outcome records to send, every one validated first (exit 2 naming the first bad one)."""
+def _outcomes(request_id: str | None, result: str | None, from_file: Path | None,
+              options: dict[str, Any]) -> list[Any]:
+    """The outcome records to send, every one validated first (exit 2 naming the first
+    bad one); ``options``: what the command line gives every record (a line's own win)."""
     import time
 
     from pydantic import ValidationError
 
-    from monitor.producer import OUTCOMES, TaskOutcome
+    from monitor.producer import TaskOutcome
 
-    single = request_id is not None and result is not None
-    if single == (from_file is not None) or (not single and (request_id is not None or result is not None)):
-        typer.echo("error: give ID and OUTCOME, or --from FILE", err=True)
+    if (request_id is None) == (from_file is None) or (from_file is not None and result is not None):
+        typer.echo("error: give ID and OUTCOME (or --label), or --from FILE", err=True)
         raise typer.Exit(EXIT_USAGE)
-    now = time.time() if timestamp is None else timestamp
+    given = {name: value for name, value in options.items() if value is not None}
+    given.setdefault("timestamp", time.time())
     if from_file is None:
-        entries: list[tuple[str, Any]] = [("", {"request_id": request_id, "outcome": result, "timestamp": now})]
+        entries: list[tuple[str, Any]] = [("", {"request_id": request_id, "outcome": result, **given})]
     else:
         try:
             text = sys.stdin.read() if str(from_file) == "-" else from_file.read_text()
@@ -195,17 +207,14 @@ def _outcomes(request_id: str | None, result: str | None, from_file: Path | None
             except json.JSONDecodeError as exc:
                 typer.echo(f"error: {from_file} line {number} is not JSON: {exc}", err=True)
                 raise typer.Exit(EXIT_USAGE) from exc
-            if isinstance(entry, dict):
-                entry.setdefault("timestamp", now)
-            entries.append((f"{from_file} line {number}: ", entry))
+            entries.append((f"{from_file} line {number}: ", {**given, **entry} if isinstance(entry, dict) else entry))
     records = []
     for where, entry in entries:
         try:
             records.append(TaskOutcome.model_validate(entry))
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors())
-            typer.echo(f"error: {where}{problems} (the outcome is one of {', '.join(OUTCOMES)}; an id is 1-128 "
-                       "characters of A-Z a-z 0-9 . _ : / @ + = -)", err=True)
+            typer.echo(f"error: {where}{problems} (docs/wire-format.md says what an outcome record holds)", err=True)
             raise typer.Exit(EXIT_USAGE) from exc
     if not records:
         typer.echo(f"error: {from_file} holds no outcome", err=True)
@@ -225,7 +234,8 @@ def _send(records: list[Any], settings: Any, timeout: float) -> list[tuple[int, 
         raise _NotAcknowledged(f"cannot reach Kafka at {connection.bootstrap_servers}: "
                                f"{type(exc).__name__}: {exc}") from exc
     try:
-        futures = [producer.send_outcome(r.request_id, r.outcome, r.timestamp) for r in records]
+        futures = [producer.send_outcome(r.request_id, r.outcome, r.timestamp, label=r.label, score=r.score)
+                   for r in records]
         sent = []
         for record, future in zip(records, futures, strict=True):
             try:

@@ -10,8 +10,8 @@ by :class:`~monitor.integrations.serving_ids.RequestIds` in the API process):
 
 - plain ``generate`` (no continuous batching): :meth:`ServedModel.generate` takes the id
   out and runs the generation inside ``tap.request(id)``, on the thread that generates;
-- continuous batching: :meth:`ServedModel.engine_request` tells the tap, before the
-  request joins the batch, which id the engine's request is traced under.
+- continuous batching: :meth:`ServedModel.identify` tells the tap (``tap.identify``),
+  before the request joins the batch, which id the engine's request is traced under.
 
 Everything here is plain values and the tap's own verbs; how a particular server version
 is reached is in :mod:`monitor.integrations.serving_transformers`. Counts (requests,
@@ -201,11 +201,12 @@ class ServedModel:
         with self.tap.request(request_id):
             yield
 
-    def engine_request(self, engine_id: str, request_id: Any) -> None:
+    def identify(self, engine_id: str, request_id: Any) -> None:
         """Continuous batching: trace the engine's request ``engine_id`` under
-        ``request_id``; call before the request joins the batch."""
+        ``request_id``; call before the request joins the batch. (A request that came
+        without a valid id is counted here; the tap then goes by its engine id.)"""
         if self._admit(request_id) is None:
-            self.tap.engine_request(engine_id, request_id)  # type: ignore[attr-defined]
+            self.tap.identify(engine_id, request_id)
 
     def _admit(self, request_id: Any) -> str | None:
         """Count a request; None if it is traced under ``request_id``, else why not."""

@@ -114,7 +114,7 @@ def _trace_engine_requests(served: ServedModel) -> None:
 
     def generate(runner: Any, request_id: int, inputs: dict[str, Any], generation_kwargs: dict[str, Any],
                  stream: bool) -> None:
-        served.engine_request(str(request_id), generation_kwargs.pop(REQUEST_ID_KEY, None))
+        served.identify(str(request_id), generation_kwargs.pop(REQUEST_ID_KEY, None))
         original(runner, request_id, inputs, generation_kwargs, stream)
 
     CBGenerateRunner.generate = generate  # type: ignore[method-assign,assignment]
@@ -146,8 +146,8 @@ def serve_command(tap: ServeTap) -> Any:
     import typer
 
     def serve(**options: Any) -> None:
-        if options.get("force_model") is None and tap.model_id is not None:
-            raise typer.BadParameter("--model-id names the model traces carry: give the MODEL to serve too")
+        if options.get("force_model") is None and (tap.model_id is not None or tap.revision is not None):
+            raise typer.BadParameter("--model-id and --model-revision name the one model served: give its MODEL")
         TappedServe(dataclasses.replace(tap, continuous_batching=bool(options.get("continuous_batching"))),
                     **options)
 
