@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,12 @@ def test_completions_are_traced_under_their_ids_and_their_outcomes_join_a_pinned
         monitor.process.stop()
 
 
+def joined(monitor: Monitor, labels: dict[str, str]) -> float:
+    """Traces of layer 0 joined to an outcome."""
+    return sum(monitor.value(series("attention_trace_outcomes_total", layer="0", outcome=outcome, **labels))
+               for outcome in ("success", "failure"))
+
+
 def last_counts(log: str) -> dict[str, int] | None:
     """The last counts line a served model's process logged, as numbers (the tap's own
     counts under their names, the served requests' as ``requests`` and ``sampled_requests``)."""
@@ -149,3 +156,58 @@ def traced_keys(bootstrap: str, topic: str) -> set[str]:
     keys = {record.key.decode() for record in consumer}
     consumer.close()
     return keys
+
+
+CB = ["--continuous-batching", "--cb-num-blocks", "64", "--cb-block-size", "32", "--cb-max-batch-tokens", "256"]
+
+
+def test_with_continuous_batching_concurrent_completions_of_two_models_are_traced_under_their_ids(
+        kafka_broker, make_topic, tmp_path):
+    """One server, no model on its command line: a Llama (paged sdpa) and a gpt-oss (paged
+    eager, sinks, a window) each loaded in a process of its own at its first request, both
+    batching continuously, asked eight completions at once."""
+    llama = save_llama(tmp_path / "tiny-llama")
+    oss = save_gpt_oss(tmp_path / "tiny-gpt-oss")
+    topics = make_topics(make_topic)
+    env = monitor_env(kafka_broker.bootstrap, topics, f"serve-cb-{tmp_path.name}", tmp_path,
+                      allowed_scopes="team-a:internal", join_ttl_s=300)
+    monitor = Monitor(env, tmp_path / "monitor.log")
+    server = Server(env, [*CB, "--sample-rate", "1", *TAP], tmp_path / "cb.log", name="continuous-batching")
+    try:
+        monitor.wait_ready()
+        server.wait_ready()
+        client = server.client()
+        asked = [(model, PROMPTS[i], KINDS[i % 4], f"cb-{name}-{i}" if i % 2 else None)
+                 for model, name in ((llama, "llama"), (oss, "oss")) for i in range(8)]
+        for model in (llama, oss):  # each model's process starts with its first request
+            ask(client, str(model), PROMPTS[0], "chat", request_id=f"warm-{model.name}")
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda a: ask(client, str(a[0]), a[1], a[2], request_id=a[3]), asked))
+        for (_, _, kind, rid), answer in zip(asked, answers, strict=True):
+            assert answer.id == (rid or answer.id) and answer.header == answer.id
+            assert rid or answer.id.startswith("chatcmpl-" if kind.startswith("chat") else "cmpl-")
+            assert answer.tokens > 0
+        ids = {a.id for a in answers}
+        monitor.wait_until(lambda: ids <= traced_keys(kafka_broker.bootstrap, topics.traces), timeout=60,
+                           what="every completion traced under its id")
+        send_outcomes(env, {a.id: ("failure" if i % 3 == 0 else "success") for i, a in enumerate(answers)},
+                      tmp_path)
+        for model, metrics in ((llama, ("prompt_mass",)), (oss, ("prompt_mass", "learned_sink_mass"))):
+            labels = {"model": model.name, "revision": revision(model)}
+            for layer in ("0", "1"):
+                for metric in metrics:  # the eight, and the first request
+                    name = f"attention_layer_{metric}_count"
+                    monitor.wait_until(lambda n=name, layer=layer, labels=labels: monitor.value(
+                        series(n, layer=layer, **labels)) == 9, timeout=60, what=f"{name} of {model.name} {layer}")
+            monitor.wait_until(lambda labels=labels: joined(monitor, labels) == 8, timeout=60,
+                               what=f"{model.name}'s outcomes joined by id")
+        rejected = {k: v for k, v in monitor.metrics().items() if "traces_rejected_total" in k and v}
+        assert not rejected
+        log = server.log()
+        assert log.count("attention tap on tiny-") == 2  # one tap in each model's process
+        counted = [line for line in log.splitlines() if "attention tap counts:" in line]
+        assert counted and all("untraced_no_request_id=0 untraced_invalid_request_id=0" in line
+                               and "untraced[" not in line for line in counted)
+    finally:
+        server.stop()
+        monitor.process.stop()
