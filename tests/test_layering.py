@@ -21,8 +21,8 @@ SPLIT = {"protocol", "measuring", "service"}
 #: lowest first; a unit is a module, a module of a SPLIT package, or a whole other package
 RANKS: list[set[str]] = [
     {"core"},
-    {"routing", "errors", "protocol.records", "protocol.topics", "measuring.tuning", "measuring.batching",
-     "service.health"},
+    {"routing", "errors", "protocol.records", "protocol.topics", "protocol.file_digests", "measuring.tuning",
+     "measuring.batching", "service.health"},
     {"protocol.wire", "protocol.schema", "protocol.model_contract", "protocol.decisions", "measuring.ring"},
     {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.observations", "protocol.judge_state",
      "protocol.contract_derivation", "triage",

@@ -68,7 +68,8 @@ def contract_derive(
     mask: Annotated[str | None, typer.Option(help="causal or bidirectional (default: bidirectional for "
                                              "encoder model types such as bert, causal otherwise)")] = None,
     scale: Annotated[float | None, typer.Option(help="softmax scale (default head_dim ** -0.5)")] = None,
-    revision: Annotated[str | None, typer.Option(help="revision (default: sha256 of the files, the revision the "
+    revision: Annotated[str | None, typer.Option(help="revision (default: the sha256 of the files' sha256 "
+                                                 "digests, as sha256sum lists them; the revision the "
                                                  "transformers tap gives a model loaded from them)")] = None,
     pattern: Annotated[str | None, typer.Option(help="regex naming the attention projection tensors, with groups "
                                                 "layer and proj (q|k|v|o, query|key|value, self.query, "
@@ -82,10 +83,11 @@ def contract_derive(
     config's num_attention_heads (and head_dim, num_key_value_heads when present) are
     checked against them. Knows decoder (model.layers.N.self_attn.q_proj, Phi-3's
     qkv_proj), BERT-style (encoder.layer.N.attention.self.query), DistilBERT and GPT-2
-    (fused c_attn) names; --pattern for others. The revision is the files' sha256, the
-    same the transformers tap names a model loaded from this checkpoint by (in any
-    dtype), so a pin by this revision pins that model's traces. Prints the contract JSON
-    with its contract_id.
+    (fused c_attn) names; --pattern for others. The revision is the sha256 of the files'
+    sha256 digests (taken from the Hub's cache or an earlier naming on this machine when
+    known, else read once), the same the transformers tap names a model loaded from this
+    checkpoint by (in any dtype), so a pin by this revision pins that model's traces.
+    Prints the contract JSON with its contract_id.
     """
     from pydantic import ValidationError
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from monitor.protocol.contract_derivation import (
@@ -15,6 +17,7 @@ from monitor.protocol.contract_derivation import (
     checkpoint_revision,
     default_mask,
     layer_windows,
+    read_header,
 )
 from monitor.protocol.model_contract import LayerContract, ModelContract
 
@@ -123,11 +126,19 @@ def loaded_from(model: Any) -> list[Path] | None:
         return None
 
 
+#: torch dtypes by their safetensors names, for comparing a tensor with a file's bytes
+_STORED_AS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
 def _differs_from(model: Any, files: list[Path]) -> str | None:
     """How the model's state differs from the checkpoint files, or None when it holds
-    them exactly. Tensors are compared one at a time, cast to the loaded dtype; file
-    tensors the model does not keep (old position-id buffers) do not matter, and a
-    tensor tied to one that matched (an output embedding) is that one."""
+    them exactly. Every tensor is compared whole: one kept in the file's dtype byte for
+    byte with the file's bytes (mapped, not copied, and moved to the tensor's device
+    rather than the tensor to the CPU), any other cast to the loaded dtype first. File
+    tensors the model does not keep (old position-id buffers) do not matter, and a tensor
+    tied to one that matched (an output embedding) is that one."""
     from safetensors import safe_open
 
     state = model.state_dict()
@@ -135,14 +146,27 @@ def _differs_from(model: Any, files: list[Path]) -> str | None:
     matched: set[int] = set()
     seen: set[str] = set()
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
+        header, length = read_header(path)
+        tensors = {key: info for key, info in header.items() if key != "__metadata__"}
+        data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + length) if tensors else np.empty(0, np.uint8)
+        opened: dict[str, Any] = {}  # the file opened by safetensors, per device, for tensors loaded in another dtype
+        with contextlib.ExitStack() as stack:
+            for key, info in tensors.items():
                 name = next((n for n in (key, prefix + key, key.removeprefix(prefix)) if n in state), None)
                 if name is None or name in seen:
                     continue
                 loaded = state[name].detach()
-                stored = f.get_tensor(key)
-                if stored.shape != loaded.shape or not torch.equal(stored.to(loaded.dtype), loaded.cpu()):
+                if list(loaded.shape) != info["shape"]:
+                    return f"{name} differs (shape {list(loaded.shape)}, the file's {info['shape']})"
+                if _STORED_AS.get(loaded.dtype) == info["dtype"]:
+                    start, end = info["data_offsets"]
+                    same = _same_bytes(loaded, torch.from_numpy(data[start:end]))
+                else:
+                    device = str(loaded.device)
+                    if device not in opened:
+                        opened[device] = stack.enter_context(safe_open(str(path), framework="pt", device=device))
+                    same = torch.equal(opened[device].get_tensor(key).to(loaded.dtype), loaded)
+                if not same:
                     return f"{name} differs"
                 seen.add(name)
                 matched.add(loaded.data_ptr())
@@ -150,3 +174,16 @@ def _differs_from(model: Any, files: list[Path]) -> str | None:
         if name not in seen and tensor.data_ptr() not in matched:
             return f"{name} is not in the checkpoint"
     return None
+
+
+def _same_bytes(loaded: torch.Tensor, stored: torch.Tensor) -> bool:
+    """Whether ``loaded``'s bytes are ``stored`` (a file's bytes), compared on
+    ``loaded``'s device, eight bytes at a time where both line up."""
+    ours = loaded.contiguous().view(-1).view(torch.uint8)
+    if ours.numel() != stored.numel():
+        return False
+    theirs = stored.to(loaded.device)
+    if ours.numel() % 8 == 0:
+        with contextlib.suppress(RuntimeError):  # a storage offset that is not a multiple of 8
+            ours, theirs = ours.view(torch.int64), theirs.view(torch.int64)
+    return torch.equal(ours, theirs)

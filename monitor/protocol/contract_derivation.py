@@ -6,9 +6,10 @@ what the tensors say). Nothing is assumed from ``d_model / H``.
 
 Only the safetensors *header* is read for shapes: 8 bytes little-endian header length,
 then a JSON object ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": …}``.
-The model revision is the SHA-256 of the checkpoint files' bytes, in file-name order
-(:func:`checkpoint_revision`), so it names the weights exactly; the transformers tap
-names a model loaded from these files, in any dtype, by the same revision.
+The model revision is the SHA-256 of the checkpoint files' SHA-256 digests, as
+``sha256sum`` lists them (:func:`checkpoint_revision`), so it names the weights exactly
+without reading a file whose digest is already known; the transformers tap names a model
+loaded from these files, in any dtype, by the same revision.
 
 Tensor names differ by family; :data:`PATTERNS` knows decoder names (Llama, Mistral,
 Qwen3, Gemma 3, gpt-oss, Phi-3: ``self_attn.q_proj``…), encoder (BERT-style), DistilBERT
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from monitor.protocol.file_digests import file_digests
 from monitor.protocol.model_contract import LayerContract, ModelContract
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -90,8 +92,9 @@ class CheckpointError(ValueError):
     """The checkpoint or config cannot give a consistent contract; the message says why."""
 
 
-def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape from a safetensors file's header."""
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor name → ``dtype``, ``shape``, ``data_offsets``
+    from the end of the header; ``__metadata__``) and the header's length in bytes."""
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -106,6 +109,14 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    return header, size
+
+
+def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape from a safetensors file's header."""
+    header, _ = read_header(path)
     shapes = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -137,13 +148,33 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 
 def checkpoint_revision(paths: Sequence[Path]) -> str:
-    """``sha256:…`` of the files' bytes in file-name order (the order given does not matter)."""
-    digest = hashlib.sha256()
-    for path in sorted(paths, key=lambda p: (p.name, str(p))):
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"
+    """``sha256:…`` of the lines ``sha256sum`` prints for the files in file-name order
+    (``<sha256 of the file>  <file name>``, one a line): in the checkpoint's directory,
+    ``sha256sum FILE… | sha256sum`` gives the same. Each file's digest comes from what
+    already names its content (the Hub's cache, ``hf download --local-dir``'s record, a
+    digest this machine computed before: :mod:`~monitor.protocol.file_digests`), else the
+    file is read once; every file must be a whole safetensors file, its size the one its
+    header gives (a truncated file is refused, not named)."""
+    ordered = sorted(paths, key=lambda p: (p.name, str(p)))
+    for path in ordered:
+        _check_whole(path)
+    digests = file_digests(ordered)
+    listing = "".join(f"{digests[path]}  {path.name}\n" for path in ordered)
+    return f"sha256:{hashlib.sha256(listing.encode()).hexdigest()}"
+
+
+def _check_whole(path: Path) -> None:
+    """A safetensors file indexes every byte after its header: its size is 8 + the
+    header's length + the end of its last tensor."""
+    header, length = read_header(path)
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"
+            and isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+            and isinstance(info["data_offsets"][1], int)]
+    expected = 8 + length + max(ends, default=0)
+    actual = path.stat().st_size
+    if actual != expected:
+        raise CheckpointError(f"{path}: {actual} bytes, but its header describes {expected}: truncated, or not "
+                              "one safetensors file")
 
 
 def derive_contract(

@@ -100,3 +100,24 @@ def test_one_checkpoint_one_revision_from_the_files_and_from_any_load(tmp_path):
     assert model_revision(reloaded) == json.loads(result.output)["contract"]["model_revision"]
     no_config = runner.invoke(app, ["contract", "derive", str(Path(folder) / "model.safetensors"), "--model-id", "m"])
     assert no_config.exit_code == 2 and "give --config" in no_config.output
+
+
+def test_a_sharded_checkpoint_loaded_in_its_own_dtype_is_compared_byte_for_byte(tmp_path):
+    """A bfloat16 checkpoint in several shards, loaded in bfloat16: each tensor is compared
+    with the file's bytes, so the model is named as ``contract derive`` names the files;
+    the last element of one tensor changed after loading gives it its own revision."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from monitor.integrations.transformers import model_revision, weights_revision
+
+    DECODERS["llama"][0]("eager").to(torch.bfloat16).save_pretrained(tmp_path / "llama", max_shard_size="40KB")
+    assert len(list((tmp_path / "llama").glob("*.safetensors"))) > 1
+    result = runner.invoke(app, ["contract", "derive", str(tmp_path / "llama"), "--model-id", "llama"])
+    assert result.exit_code == 0, result.output
+    derived = json.loads(result.output)["contract"]["model_revision"]
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16)
+    assert model_revision(model) == derived
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight[-1, -1] += 1
+    assert model_revision(model) == weights_revision(model) != derived
