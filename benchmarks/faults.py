@@ -10,6 +10,10 @@ quantisation gone wrong would, and leaves the rest of the model alone:
   parks its weight on ``[CLS]`` (an attention sink);
 - ``subtle``: three heads of a layer take another head's query and key projections with
   noise as large as the weights themselves (partly alike);
+- ``copy``: three heads of a deeper layer take another head's query and key projections
+  with noise half as large as the weights (alike, not identical);
+- ``logits``: every head of a layer attends with its logits doubled (the query scaled by
+  two: a broken scale factor), sharper everywhere;
 - ``benign``: every linear layer's weights rounded to int8 and back, per output row (a
   quantised deployment of the same model: it should page nothing).
 
@@ -28,6 +32,8 @@ import torch
 COLLAPSE = (3, tuple(range(3, 12)), 2)
 SINK = (1, 4)
 SUBTLE = (2, (5, 6, 7), 8)
+COPY = (4, (1, 7, 10), 2)
+LOGITS = 2
 
 
 def _attention(model: Any, layer: int) -> Any:
@@ -86,6 +92,19 @@ def subtle(model: Any, layer: int = SUBTLE[0], heads: Sequence[int] = SUBTLE[1],
 
 
 @torch.no_grad()
+def copy(model: Any, layer: int = COPY[0], heads: Sequence[int] = COPY[1], source: int = COPY[2]) -> Any:
+    return subtle(model, layer, heads, source, noise=0.5, seed=1)
+
+
+@torch.no_grad()
+def logits(model: Any, layer: int = LOGITS, factor: float = 2.0) -> Any:
+    attn = _attention(model, layer)
+    attn.query.weight.mul_(factor)
+    attn.query.bias.mul_(factor)
+    return model
+
+
+@torch.no_grad()
 def benign(model: Any) -> Any:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -101,6 +120,8 @@ EXPECTED: dict[str, tuple[str, int, frozenset[str]] | None] = {
     "collapse": ("diversity", COLLAPSE[0], frozenset(f"head-{h}" for h in (COLLAPSE[2], *COLLAPSE[1]))),
     "sink": ("head", SINK[0], frozenset({f"head-{SINK[1]}"})),
     "subtle": ("diversity", SUBTLE[0], frozenset(f"head-{h}" for h in (SUBTLE[2], *SUBTLE[1]))),
+    "copy": ("diversity", COPY[0], frozenset(f"head-{h}" for h in (COPY[2], *COPY[1]))),
+    "logits": ("head", LOGITS, frozenset()),  # every head sharpens: which it names is the evidence's
     "benign": None,
 }
 
@@ -114,6 +135,10 @@ def faulty(name: str, load: Callable[[], Any], tokenizer: Any, texts: Sequence[s
         return sink(model, tokenizer, texts)
     if name == "subtle":
         return subtle(model)
+    if name == "copy":
+        return copy(model)
+    if name == "logits":
+        return logits(model)
     if name == "benign":
         return benign(model)
     raise ValueError(f"unknown fault {name!r}; known: {sorted(EXPECTED)}")

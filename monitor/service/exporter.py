@@ -13,7 +13,7 @@ of model ids when configured, otherwise the first ``max_model_revisions`` distin
 ``attention_monitor_label_overflow_total``. Layers and heads come from verified model
 contracts. Series per model revision with ``L`` traced layers of ``H`` heads (see
 ``docs/metrics.md``; ``_created`` series disabled): ``95·L`` at ``layer`` detail, plus
-``27·L·H`` at ``head`` detail.
+``27·L·H`` at ``head`` detail; and at most ``H`` heads of each open incident.
 """
 
 from __future__ import annotations
@@ -141,6 +141,9 @@ class MonitorMetrics:
                                    registry=r)
         self.incidents = Counter("attention_incidents", "Incidents opened, by family.", [*layer, "family"],
                                  registry=r)
+        self.incident_heads = Gauge("attention_incident_heads", "Heads an open incident of the family names on the "
+                                    "layer, each with how many of its traces' findings name it (as its latest "
+                                    "incident record has them).", [*layer, "family", "head"], registry=r)
         self._registry = r
         self._last_trace: Gauge | None = None  #: created by the first trace: absent until then
         self.overflow = Counter(f"{s}label_overflow", "Traces whose model/revision labels were replaced by 'other'.",
@@ -267,6 +270,7 @@ class LayerSeries:
         self.unjudged = {reason: metrics.unjudged.labels(*key, reason) for reason in ("learning", "no_reference")}
         self.incident_open = {family: metrics.incident_open.labels(*key, family) for family in FAMILIES}
         self.incidents = {family: metrics.incidents.labels(*key, family) for family in FAMILIES}
+        self._incident_heads: dict[str, set[str]] = {}
         self._metrics = metrics
         self._judge: str | None = None
 
@@ -308,6 +312,16 @@ class LayerSeries:
                                                 for name, family in self._head_families.items()]
             out.append(children)
         return out
+
+    def incident_heads(self, family: str, counts: dict[str, int]) -> None:
+        """``attention_incident_heads`` of the layer's incident of ``family``: the heads
+        it names and the traces naming each (none: it closed)."""
+        gauge = self._metrics.incident_heads
+        for head in self._incident_heads.get(family, set()) - counts.keys():
+            gauge.remove(*self._key, family, head)
+        for head, n in counts.items():
+            gauge.labels(*self._key, family, head).set(n)
+        self._incident_heads[family] = set(counts)
 
     def observe_anomaly(self, kind: str) -> None:
         self.anomalies[kind].inc()

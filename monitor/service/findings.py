@@ -126,7 +126,9 @@ class Findings:
     def export_open(self) -> None:
         """Every open incident on its gauge (after a takeover: its alert neither resolves nor pages again)."""
         for incident in self.incidents.open.values():
-            self.metrics.layer(*incident.key, incident.layer).incident_open[incident.family].set(1)
+            series = self.metrics.layer(*incident.key, incident.layer)
+            series.incident_open[incident.family].set(1)
+            series.incident_heads(incident.family, incident.named_counts())
 
     def incident_records(self, changes: list[Change], source: Source) -> list[Output]:
         """Incident records (opened, updated, closed) for the anomalies topic, and the
@@ -139,14 +141,17 @@ class Findings:
             if change.what == "opened":
                 series.incident_open[incident.family].set(1)
                 series.incidents[incident.family].inc()
-                log.warning("incident opened: %s", incident.id)
+                log.warning("incident opened: %s (heads %s)", incident.id, ", ".join(incident.involved()) or "-")
             elif change.what == "closed":
                 series.incident_open[incident.family].set(0)
                 log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
-            else:
+            elif change.reason == "layers":
                 layers = ", ".join(f"{a.layer} ({a.relation}{', paged' if a.paged else ''})"
                                    for _, a in sorted(incident.also_changed.items()))
                 log.info("incident %s: other layers changed too: %s", incident.id, layers)
+            elif change.reason == "heads":
+                log.info("incident %s names heads %s", incident.id, ", ".join(incident.involved()))
+            series.incident_heads(incident.family, {} if change.what == "closed" else incident.named_counts())
             doc = incident_record(incident.summary(), change.what, self._wall())
             out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
                               source))

@@ -29,6 +29,8 @@ class LayerStatus:
     traces: float = 0.0
     unjudged: dict[str, float] = field(default_factory=dict)
     incidents: list[str] = field(default_factory=list)
+    #: per family of an open incident: the heads it names, with the traces naming each
+    heads: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +99,9 @@ def from_metrics(status: Status, text: str, fleet: bool = False) -> None:
             elif sample.name == "attention_incident_open" and sample.value == 1 and \
                     labels["family"] not in row.incidents:
                 row.incidents.append(labels["family"])
+            elif sample.name == "attention_incident_heads" and sample.value > 0:
+                named = row.heads.setdefault(labels["family"], {})
+                named[labels["head"]] = max(named.get(labels["head"], 0.0), sample.value)
 
 
 def scrape(url: str, basic_auth: tuple[str, str] | None = None, cafile: Path | None = None,
@@ -111,15 +116,32 @@ def scrape(url: str, basic_auth: tuple[str, str] | None = None, cafile: Path | N
     return text
 
 
+def table(header: list[str], rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
+    """Lines of a plain-text table whose every column is as wide as its longest value
+    (columns ``right`` aligned right), two spaces apart; trailing blanks trimmed."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths,
+                                                                                                      strict=True)))
+            .rstrip() for row in [header, *rows]]
+
+
+def _incident(family: str, heads: dict[str, float]) -> str:
+    """An open incident: its family and the heads it names, with the traces naming each."""
+    named = sorted(heads.items(), key=lambda item: -item[1])
+    return family + (": " + ", ".join(f"{head} ({n:.0f})" for head, n in named) if named else "")
+
+
 def report(status: Status, reference_traces: int) -> str:
-    lines = [f"{'model':<20} {'revision':<16} {'layer':>5}  {'judged by':<16} {'reference':>11}  {'traces':>8}  "
-             f"{'unjudged':<24} incidents"]
+    rows = []
     for (model, revision, layer), row in sorted(status.layers.items()):
         held = "-" if row.reference_traces is None else f"{row.reference_traces:.0f}/{reference_traces}"
         ready = {True: " ready", False: " learning", None: ""}[row.ready]
         unjudged = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(row.unjudged.items())) or "-"
-        lines.append(f"{model:<20} {revision:<16} {layer:>5}  {row.judged_by:<16} {held:>11}{ready:<9} "
-                     f"{row.traces:>8.0f}  {unjudged:<24} {', '.join(row.incidents) or '-'}")
+        incidents = "; ".join(_incident(family, row.heads.get(family, {})) for family in row.incidents) or "-"
+        rows.append([model, revision, str(layer), row.judged_by, held + ready, f"{row.traces:.0f}", unjudged,
+                     incidents])
+    lines = table(["model", "revision", "layer", "judged by", "reference", "traces", "unjudged",
+                   "incidents (heads named)"], rows, right=frozenset({2, 5}))
     if not status.layers:
         lines.append("(no layer seen yet)")
     lines += ["", "Reference decisions (saved state):"]

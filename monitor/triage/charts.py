@@ -111,7 +111,7 @@ def timelines(series: dict[str, dict[str, list[Point]]]) -> str:
                     ax.set_title(LABELS.get(metric, metric))
                 if column == 0:
                     ax.set_ylabel(head, rotation=0, ha="right", va="center", fontweight="bold")
-                locator = mdates.AutoDateLocator(maxticks=4)  # type: ignore[no-untyped-call]
+                locator = time_locator()
                 ax.xaxis.set_major_locator(locator)
                 ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
                 ax.tick_params(labelsize=7)
@@ -121,6 +121,22 @@ def timelines(series: dict[str, dict[str, list[Point]]]) -> str:
         figure.supxlabel("detected at (UTC); red: the head's value on each anomalous trace; blue: its reference "
                          "mean ± 2 sd at that trace's length", fontsize=8)
         return _svg(figure)
+
+
+#: tick intervals per unit: enough multiples that any span of an incident (a second to
+#: weeks) gets 2–4 ticks (matplotlib's own lists leave gaps, where it warns that it
+#: could not pick an interval)
+TICK_INTERVALS = {mdates.SECONDLY: [1, 2, 5, 10, 15, 20, 30, 60, 120],
+                  mdates.MINUTELY: [1, 2, 5, 10, 15, 20, 30, 60, 120],
+                  mdates.HOURLY: [1, 2, 3, 4, 6, 8, 12, 24, 48],
+                  mdates.DAILY: [1, 2, 3, 4, 7, 14, 21, 28, 56]}
+
+
+def time_locator() -> mdates.AutoDateLocator:
+    """A date locator of 2–4 ticks for any time span, without warnings."""
+    locator = mdates.AutoDateLocator(minticks=2, maxticks=4)  # type: ignore[no-untyped-call]
+    locator.intervald.update({unit: list(steps) for unit, steps in TICK_INTERVALS.items()})
+    return locator
 
 
 def _head_order(head: str) -> tuple[int, str]:

@@ -1,7 +1,12 @@
 """What a triage page shows, gathered from the records the monitor wrote: one incident,
 or one (model, revision, layer) selection, with its anomaly records, the trace beside
 its reference, the heads involved and what the outcomes say (``outcomes``). Pure data: the charts
-and the HTML are made from a :class:`Case` elsewhere (``charts``, ``page``)."""
+and the HTML are made from a :class:`Case` elsewhere (``charts``, ``page``).
+
+The heads of an incident are its record's :class:`~monitor.core.incidents.HeadAccount`,
+as the incident tracker keeps it and its alert shows it, never counted again here (the
+records read may be a part of its evidence). A selection without an incident counts its
+findings with the same account."""
 
 from __future__ import annotations
 
@@ -10,12 +15,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitor.core.incidents import FAMILY, HEAD_SHARE
+from monitor.core.incidents import FAMILY, HeadAccount
 from monitor.triage import generation, outcomes
 from monitor.triage.generation import LayerRows
 from monitor.triage.outcomes import Outcomes, Rate, wilson
 
-__all__ = ["Case", "Point", "Rate", "for_incident", "for_layer", "incident_cases", "wilson"]
+__all__ = ["Case", "Point", "Rate", "account", "for_incident", "for_layer", "incident_cases", "wilson"]
 
 #: anomaly records listed as the strongest evidence
 STRONGEST = 10
@@ -45,7 +50,10 @@ class Case:
     layer: int | None
     incident: dict[str, Any] | None  #: the incident's latest record
     records: list[dict[str, Any]]  #: its anomaly records, oldest first
-    involved: list[str] = field(default_factory=list)
+    involved: list[str] = field(default_factory=list)  #: the heads named, best supported first
+    #: how many traces' findings name each head (every head the evidence names, most first)
+    head_counts: dict[str, int] = field(default_factory=dict)
+    evidence_traces: int = 0  #: the traces those counts are of
     latest: dict[str, Any] | None = None  #: the newest anomaly record that carries evidence
     outcomes: Outcomes | None = None  #: the revision against its reference, the anomalous traces against the rest
     #: every layer of the revision with findings (while the incident was open), by the rows they were measured on
@@ -72,8 +80,21 @@ class Case:
         return dict(Counter(str(r["kind"]) for r in self.records))
 
     @property
+    def evidence(self) -> list[dict[str, Any]]:
+        """The records the heads are counted from: the incident's family (a diversity
+        incident's records also hold its head-pattern side effects)."""
+        family = (self.incident or {}).get("family")
+        return [r for r in self.records if family is None or FAMILY.get(str(r.get("kind"))) == family]
+
+    @property
     def strongest(self) -> list[dict[str, Any]]:
-        return sorted(self.records, key=lambda r: -float(r.get("effect_size", 0.0)))[:STRONGEST]
+        """The evidence of the largest effects."""
+        return sorted(self.evidence, key=lambda r: -float(r.get("effect_size", 0.0)))[:STRONGEST]
+
+    @property
+    def others_named(self) -> dict[str, int]:
+        """Heads some findings name that the account does not (yet) name, with their counts."""
+        return {h: n for h, n in self.head_counts.items() if h not in self.involved}
 
     @property
     def contract_ids(self) -> list[str]:
@@ -144,7 +165,7 @@ def _case(records: list[dict[str, Any]], incident: dict[str, Any]) -> Case:
     close."""
     key = (incident["model_id"], incident["model_revision"], incident["layer"])
     family = incident["family"]
-    start = float(incident["opened_at"])
+    start = float(incident.get("evidence_since") or incident["opened_at"])
     end = float(incident["at"]) if incident.get("state") == "closed" else math.inf
     chosen = [r for r in anomalies(records)
               if (r.get("model_id"), r.get("model_revision"), r.get("layer")) == key
@@ -154,15 +175,28 @@ def _case(records: list[dict[str, Any]], incident: dict[str, Any]) -> Case:
     return _from_every_record(_complete(case), records)
 
 
+def account(records: list[dict[str, Any]]) -> HeadAccount:
+    """The heads account of anomaly records without an incident, counted as the incident
+    tracker counts an incident's: trace by trace, in the order they were detected."""
+    by_trace: dict[str, list[str]] = {}
+    for r in sorted(records, key=_detected):
+        by_trace.setdefault(str(r["trace_id"]), []).extend(r.get("heads", []))
+    counted = HeadAccount()
+    for heads in by_trace.values():
+        counted.add(heads)
+    return counted
+
+
 def _complete(case: Case) -> Case:
     records = case.records
-    family = (case.incident or {}).get("family")
-    own = [r for r in records if family is None or FAMILY.get(str(r.get("kind"))) == family]
-    if own:  # as the incident tracker names them, over every finding so far (its record may be older)
-        counts = Counter(h for r in own for h in r.get("heads", []))
-        case.involved = [h for h, n in counts.most_common() if n >= HEAD_SHARE * len(own)]
-    elif case.incident is not None:
-        case.involved = list(case.incident.get("heads", []))
+    if case.incident is not None:  # the incident's own account, as its record has it
+        case.involved = [str(h) for h in case.incident.get("heads", [])]
+        case.head_counts = {str(h): int(n) for h, n in (case.incident.get("head_counts") or {}).items()}
+        case.evidence_traces = int(case.incident.get("traces", 0))
+    else:
+        counted = account(records)
+        case.involved, case.head_counts, case.evidence_traces = counted.heads(), dict(counted.counts.most_common()), \
+            counted.traces
     with_evidence = [r for r in records if r.get("evidence")]
     strongest = (case.incident or {}).get("strongest") or {}
     case.latest = with_evidence[-1] if with_evidence else (strongest if strongest.get("evidence") else None)

@@ -34,18 +34,32 @@ def also_changed(note: dict[str, Any], rows: LayerRows | None = None) -> str:
             + (", its evidence alone would have paged" if note.get("paged") else "") + said + ")")
 
 
+def heads_line(case: Case) -> str:
+    """The heads an incident names, as its alert and record name them, with how many of
+    its traces' findings name each."""
+    if not case.involved:
+        named = "none named yet"
+    else:
+        named = ", ".join(f"{h} ({case.head_counts.get(h, 0)})" for h in case.involved)
+    line = f"heads involved: {named} (traces whose findings name each, of {case.evidence_traces})"
+    if case.others_named:
+        line += "; named by fewer: " + ", ".join(f"{h} ({n})" for h, n in case.others_named.items())
+    return line
+
+
 def incident_lines(cases: list[Case]) -> list[str]:
-    """Each incident as its triage page has it: its findings, traces and heads involved
-    are those of its :class:`~monitor.triage.evidence.Case`, the page's own."""
+    """Each incident as its triage page has it: its findings, traces and heads are those
+    of its record (:class:`~monitor.triage.evidence.Case`), the page's and the alert's own."""
     lines = [f"{len(cases)} incidents", ""]
     for case in sorted(cases, key=lambda c: float((c.incident or {})["opened_at"])):
         i = case.incident or {}
         strongest = case.strongest[0] if case.strongest else (i.get("strongest") or {})
-        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(case.kinds.items())) or "none in the records read"
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted((i.get("kinds") or case.kinds).items())) or "none"
         lines += [
             f"{i['incident_id']}: {i['model_id']} {i['model_revision']} layer {i['layer']} {i['family']}, {i['state']}",
-            f"  {len(case.records)} findings on {case.traces} traces against {', '.join(case.reference_revisions)}"
-            f" ({kinds}); heads involved: " + (", ".join(case.involved) or "-"),
+            f"  {i.get('anomalies', len(case.evidence))} findings on {case.evidence_traces} traces against "
+            f"{', '.join(case.reference_revisions)} ({kinds})",
+            "  " + heads_line(case),
             "  side effects: " + (", ".join(f"{k}={v}" for k, v in sorted(i.get("side_effects", {}).items()))
                                   or "none"),
             "  other layers: " + (", ".join(also_changed(a, case.rows.get(a["layer"]))
@@ -54,7 +68,7 @@ def incident_lines(cases: list[Case]) -> list[str]:
         if strongest:
             lines.append(f"  strongest: {strongest.get('kind')} value {strongest.get('value', 0):.3f} against "
                          f"{strongest.get('reference', 0):.3f}, effect {strongest.get('effect_size', 0):.1f} sd, "
-                         f"trace {strongest.get('trace_id')}")
+                         f"heads {', '.join(strongest.get('heads', [])) or '-'}, trace {strongest.get('trace_id')}")
         lines += ["  " + line for line in outcomes.describe(case.outcomes)]
         lines.append("")
     return lines
@@ -82,7 +96,7 @@ def report(records: list[dict[str, Any]], cases: list[Case] | None = None,
             f"  value {median(r['value'] for r in mine):.3f} against reference "
             f"{median(r['reference'] for r in mine):.3f} (median; reference revision {', '.join(refs)})",
             f"  effect size median {median(r['effect_size'] for r in mine):.1f} sd",
-            "  heads most involved: " + ", ".join(f"{h} ({c})" for h, c in heads.most_common(6)),
+            "  heads its findings name most: " + ", ".join(f"{h} ({c})" for h, c in heads.most_common(6)),
             "  outcomes: " + ", ".join(f"{o}={c}" for o, c in sorted(said.items())),
             "  contract: " + ", ".join(contracts),
             f"  example: trace {mine[-1]['trace_id']} request {mine[-1]['request_id']}",

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "alerts" / "attention.rules.yml"
 RUNBOOKS = REPO / "alerts" / "runbooks"
 ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
 ANOMALY_ALERTS = {"AttentionLowHeadDiversity", "AttentionHeadPatternShift", "AttentionAnomalyOutcomeAssociation"}
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -124,6 +125,32 @@ def test_alertmanager_names_only_alerts_that_exist_and_groups_a_revisions_pages(
     assert named and named <= names, sorted(named - names)
     pages = next(r for r in config["route"]["routes"] if any("AttentionLowHeadDiversity" in m for m in r["matchers"]))
     assert pages["group_by"] == ["model", "revision"] and pages["receiver"] == "pager"
+
+
+def seconds(duration: str) -> float:
+    found = re.fullmatch(r"(\d+)(ms|s|m|h)", str(duration))
+    assert found, duration
+    return int(found[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[found[2]]
+
+
+def test_a_page_leaves_within_30_s_of_its_evidence_with_the_shipped_configuration():
+    """The worst case from the page threshold's crossing (the incident gauge set) to the
+    notification: the next scrape of the monitor, the next evaluation of the anomaly rules,
+    their `for:`, then the page route's group_wait. The soak measures it end to end."""
+    prometheus = yaml.safe_load(PROMETHEUS.read_text())
+    job = next(j for j in prometheus["scrape_configs"] if j["job_name"] == "attention-monitor")
+    scrape = seconds(job.get("scrape_interval", prometheus["global"]["scrape_interval"]))
+    group = next(g for g in yaml.safe_load(RULES.read_text())["groups"] if g["name"] == "attention-anomalies")
+    evaluation = seconds(group.get("interval", prometheus["global"]["evaluation_interval"]))
+    route = yaml.safe_load(ALERTMANAGER.read_text())["route"]
+    pages = next(r for r in route["routes"] if any("AttentionLowHeadDiversity" in m for m in r["matchers"]))
+    group_wait = seconds(pages.get("group_wait", route.get("group_wait", "30s")))
+    for rule in group["rules"]:
+        if rule.get("labels", {}).get("severity") == "critical":
+            worst = scrape + evaluation + seconds(rule["for"]) + group_wait
+            assert worst <= 25, (rule["alert"], scrape, evaluation, rule["for"], group_wait)
+            # a scrape gap (a restart, a moved judge) must not resolve the page and page again
+            assert seconds(rule["keep_firing_for"]) >= 4 * scrape, rule["alert"]
 
 
 # --- dashboards --------------------------------------------------------------------------

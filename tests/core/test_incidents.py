@@ -1,13 +1,17 @@
 """Incidents: only evidence that crossed the page threshold opens one; one incident per
-fault of a revision, its primary layer fixed, other layers annotated; the heads really
-involved; closed after quiet."""
+fault of a revision, its primary layer fixed, other layers annotated; one account of the
+heads involved, counted from the evidence before the page on, that never drops a head;
+closed after quiet."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
+import pytest
+
 from monitor.core.detect import Anomaly
-from monitor.core.incidents import IncidentTracker
+from monitor.core.incidents import ACCOUNT_REFRESH_S, HeadAccount, IncidentTracker
 
 
 def anomaly(kind, heads, effect=5.0, layer=2, pages=False):
@@ -34,12 +38,14 @@ def test_a_collapse_is_one_incident_naming_the_heads_that_recur_and_its_side_eff
     assert [(c.what, c.incident.key, c.incident.layer, c.incident.family) for c in changes] == [
         ("opened", ("m", "r2"), 2, "diversity")]
     for t in range(2, 11):
-        assert observe(tracker, [anomaly("low_diversity", ["head-1", "head-2", "head-5" if t == 2 else "head-1"],
+        assert observe(tracker, [anomaly("low_diversity", ["head-1", "head-2", "head-5" if t == 5 else "head-1"],
                                          effect=4 + t),
                                  anomaly("concentration_spike", ["head-2"])], now=t) == []
     (incident,) = tracker.open.values()
-    assert incident.involved() == ["head-1", "head-2"]  # head-5 came up once in ten findings
-    assert incident.anomalies == 10 and incident.traces == 10
+    assert incident.involved() == ["head-1", "head-2"]  # head-5 came up in two of eleven traces
+    # the finding before the page is the incident's evidence too
+    assert incident.anomalies == 11 and incident.traces == 11
+    assert incident.summary()["head_counts"] == {"head-1": 11, "head-2": 11, "head-5": 2}
     assert incident.side_effects == {"entropy_collapse": 1, "concentration_spike": 9}
     assert incident.strongest["effect_size"] == 14
     assert tracker.expire(now=500) == []
@@ -97,6 +103,73 @@ def test_an_incident_taken_over_by_another_tracker_stays_one_incident():
     moved.restore(json.loads(json.dumps(tracker.state([("m", "r2"), ("m", "other")], now=160))), now=5_000)
     (before,), (after,) = tracker.open.values(), moved.open.values()
     assert after.summary() == before.summary()  # the same id, counts, annotation, strongest finding
-    assert observe(moved, [anomaly("low_diversity", ["head-1"], pages=True)], now=5_010) == []  # no new page
+    # no new page (an updated record at most: its account changed, and its last record is old)
+    assert [c.what for c in observe(moved, [anomaly("low_diversity", ["head-1"], pages=True)], now=5_010)] == [
+        "updated"]
     assert moved.open[("m", "r2")].anomalies == 2
     assert moved.expire(now=5_609) == [] and [c.what for c in moved.expire(now=5_610)] == ["closed"]
+
+
+def test_the_heads_account_names_a_head_once_supported_and_never_drops_it():
+    account = HeadAccount()
+    assert not account.add(["head-1", "head-2", "head-9"])  # one trace alone names nothing
+    assert account.add(["head-1", "head-2", "head-2"]) and account.heads() == ["head-1", "head-2"]
+    for _ in range(6):  # head-2 stops being named by the findings: it stays named, with its count
+        account.add(["head-1", "head-7"])
+    assert account.heads() == ["head-1", "head-7", "head-2"]  # head-7: 6 of 8 traces
+    assert account.to_dict() == {"heads": ["head-1", "head-7", "head-2"], "traces": 8,
+                                 "head_counts": {"head-1": 8, "head-7": 6, "head-2": 2, "head-9": 1}}
+    assert HeadAccount.from_dict({**account.to_dict(), "named": account.named}) == account
+
+
+@pytest.mark.parametrize("noise", [0, 1, 2])
+def test_an_incident_names_every_head_it_once_named_as_evidence_accrues(noise):
+    """Findings name a varying subset of the changed heads (as real ones do): the heads
+    named only grow, each is named by a record, and the record's heads are exactly the
+    account's."""
+    import random
+
+    rng = random.Random(noise)
+    tracker = IncidentTracker(quiet=600)
+    changed = ["head-1", "head-2", "head-7", "head-10"]
+    named: list[str] = []
+    records: list[dict] = []
+    for t in range(60):
+        heads = [h for h in changed if rng.random() < 0.7] + [f"head-{rng.randrange(12)}" for _ in range(noise)]
+        records += [c.incident.summary() for c in observe(
+            tracker, [anomaly("low_diversity", heads or ["head-2"], pages=t >= 5)], now=t)]
+        (incident,) = tracker.open.values() or (None,)
+        if incident is not None:
+            assert set(named) <= set(incident.involved())
+            named = incident.involved()
+    assert set(changed) <= set(named)
+    assert set(records[-1]["heads"]) == set(named)  # a record at once whenever a head is named
+    assert all(set(a["heads"]) <= set(b["heads"]) for a, b in itertools.pairwise(records))
+
+
+def test_records_follow_the_account_heads_at_once_counts_at_most_every_refresh():
+    tracker = IncidentTracker(quiet=600)
+    observe(tracker, [anomaly("sink_shift", ["head-3"])], now=0)
+    (opened,) = observe(tracker, [anomaly("sink_shift", ["head-3"], pages=True)], now=1)
+    assert opened.what == "opened" and opened.incident.summary()["heads"] == ["head-3"]
+    assert opened.incident.evidence_since == 1_700_000_000  # the finding before the page
+    assert observe(tracker, [anomaly("sink_shift", ["head-5"]), anomaly("entropy_collapse", ["head-5"])], now=2) == []
+    (named,) = observe(tracker, [anomaly("sink_shift", ["head-5"])], now=3)
+    assert (named.what, named.reason) == ("updated", "heads")  # 2 of 4 traces name head-5: at once
+    assert named.incident.summary()["heads"] == ["head-3", "head-5"]
+    assert observe(tracker, [anomaly("sink_shift", ["head-3"])], now=4) == []  # more evidence: not yet
+    (refresh,) = observe(tracker, [anomaly("sink_shift", ["head-3"])], now=3 + ACCOUNT_REFRESH_S)
+    assert (refresh.what, refresh.reason) == ("updated", "account")
+    assert refresh.incident.summary()["head_counts"] == {"head-3": 4, "head-5": 2}
+    assert refresh.incident.summary()["anomalies"] == 7
+
+
+def test_evidence_of_another_layer_or_family_or_too_old_is_not_counted_when_an_incident_opens():
+    tracker = IncidentTracker(quiet=600)
+    observe(tracker, [anomaly("low_diversity", ["head-8"])], now=0)  # too old by the page
+    observe(tracker, [anomaly("low_diversity", ["head-9"], layer=3)], now=700, layer=3)
+    observe(tracker, [anomaly("sink_shift", ["head-9"])], now=701)
+    observe(tracker, [anomaly("low_diversity", ["head-1", "head-2"])], now=702)
+    (opened,) = observe(tracker, [anomaly("low_diversity", ["head-1", "head-2"], pages=True)], now=703)
+    assert opened.incident.summary()["head_counts"] == {"head-1": 2, "head-2": 2}
+    assert opened.incident.involved() == ["head-1", "head-2"]

@@ -83,7 +83,8 @@ def test_the_pages_numbers_are_the_records_numbers(collapsed):
     cells = parse(page.render(case))
     strongest = case.strongest
     assert strongest and len(strongest) <= evidence.STRONGEST
-    assert [r["effect_size"] for r in strongest] == sorted((r["effect_size"] for r in case.records), reverse=True)[
+    assert {r["kind"] for r in strongest} == {"low_diversity"}  # the incident's evidence, not its side effects
+    assert [r["effect_size"] for r in strongest] == sorted((r["effect_size"] for r in case.evidence), reverse=True)[
         :len(strongest)]
     for r in strongest:
         row = f"{r['trace_id']} {r['kind']} {','.join(r['heads'])}"
@@ -91,8 +92,8 @@ def test_the_pages_numbers_are_the_records_numbers(collapsed):
         assert float(cells.cells[(row, "reference")]) == pytest.approx(r["reference"], abs=5e-5)
         assert float(cells.cells[(row, "effect_size")]) == pytest.approx(r["effect_size"], abs=5e-3)
         assert float(cells.cells[(row, "score")]) == pytest.approx(r["score"], abs=5e-3)
-    assert int(cells.cells[(None, "anomalies")]) == len(case.records)
-    assert int(cells.cells[(None, "traces")]) == len({r["trace_id"] for r in case.records})
+    assert int(cells.cells[(None, "anomalies")]) == case.incident["anomalies"]
+    assert int(cells.cells[(None, "traces")]) == case.incident["traces"] == case.evidence_traces
     latest = case.latest["evidence"]
     assert float(cells.cells[(None, "diversity")]) == pytest.approx(latest["diversity"]["value"], abs=5e-4)
 
@@ -173,18 +174,52 @@ def test_a_generation_models_prompt_mass_gets_its_own_panels_and_a_prefill_model
     assert "prompt_mass" not in plain
 
 
-def test_the_index_the_page_and_the_text_count_an_incident_alike(collapsed):
-    """The incident's own record was written when it opened (1 finding); the index, its
-    page and the text all show what its evidence says now."""
+def test_the_index_the_page_and_the_text_name_the_heads_of_the_incidents_record(collapsed):
+    """One account of the heads: the incident record's, as the tracker keeps it and the
+    alert shows it (``attention_incident_heads``); the index, the page and the text show
+    it, with the traces naming each, and never count the records read again."""
     from monitor.triage.text import report
 
     recs, incident, case = collapsed
-    assert len(case.records) > incident["anomalies"]  # the record alone would undercount
+    heads, counts = incident["heads"], incident["head_counts"]
+    assert set(heads) == COLLAPSED_HEADS and case.involved == heads and case.head_counts == counts
+    listed = ", ".join(f"{h} ({counts[h]})" for h in heads)
     index = site.respond(recs, "", "")
     row = index[index.index(page.incident_href(incident["incident_id"])):].split("</tr>")[0]
-    assert f'<td class="num">{len(case.records)}</td>' in row and ", ".join(case.involved) in row
-    cells = parse(page.render(case))
-    assert int(cells.cells[(None, "anomalies")]) == len(case.records) and cells.heads == case.involved
+    assert f'<td class="num">{incident["anomalies"]}</td>' in row
+    assert listed in " ".join(re.sub(r"<[^>]+>", " ", row).split()).replace(" ,", ",")
+    html = page.render(case)
+    cells = parse(html)
+    assert int(cells.cells[(None, "anomalies")]) == incident["anomalies"] and cells.heads == heads
+    assert all(f'data-count="{h}"> {counts[h]}<' in html for h in heads)
+    assert int(cells.cells[(None, "evidence_traces")]) == incident["traces"]
     text = report(case.records, [case])
-    assert (f"{len(case.records)} findings on {case.traces} traces" in text
-            and f"heads involved: {', '.join(case.involved)}" in text)
+    assert f"{incident['anomalies']} findings on {incident['traces']} traces" in text
+    assert f"heads involved: {listed} (traces whose findings name each, of {incident['traces']})" in text
+
+
+def test_the_strongest_findings_show_which_of_their_heads_the_incident_names(collapsed):
+    *_, case = collapsed
+    html = page.render(case)
+    table = html[html.index('<table id="evidence">'):]
+    table = table[:table.index("</table>")]
+    named = re.findall(r'<span class="named">(head-\d+)</span>', table)
+    assert named and set(named) <= set(case.involved)
+    for r in case.strongest:  # every head a strong finding names is shown, the incident's in bold
+        assert all(f">{h}</span>" in table for h in r["heads"])
+
+
+@pytest.mark.parametrize("span", [0.0, 3.0, 90.0, 150.0, 2_400.0, 5 * 3600.0, 4 * 86_400.0])
+def test_timelines_of_any_span_draw_without_a_library_warning(span):
+    """matplotlib's date locator warns, on spans such as 2.5 minutes, that it could not
+    pick an interval; `triage --html` printed that warning. Every span draws quietly."""
+    import warnings
+
+    from monitor.triage import charts
+    from monitor.triage.evidence import Point
+
+    points = [Point(1_800_000_000.0 + span * i / 4, 0.5, 0.6, 0.05) for i in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        svg = charts.timelines({"entropy": {"head-1": points, "head-2": points}})
+    assert 'id="timeline-head-1-entropy"' in svg

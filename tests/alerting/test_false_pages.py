@@ -1,0 +1,43 @@
+"""The false-page replay (``benchmarks/false_pages.py``), small: its arithmetic against an
+independent simulation, and one short capture and replay of a real checkpoint on real
+text. The replay itself (100,000+ requests) is a script, not a test: docs/detection.md
+has its figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.false_pages import LADDER, capture, exceedance, load, replay, report, siegmund_arl
+
+
+def test_a_gaussian_cusums_maxima_are_uniform_under_the_exceedance_arithmetic():
+    """Streams of unit-variance normal increments (the detector's model): the probability
+    of each stream's maximum under the model is about uniform, so the replay's verdict on
+    real streams means something."""
+    rng = np.random.default_rng(7)
+    streams, n, k = 300, 20_000, 0.5
+    s = np.zeros(streams)
+    maxima = np.zeros(streams)
+    for _ in range(n):
+        s = np.maximum(0.0, s + rng.standard_normal(streams) - k)
+        np.maximum(maxima, s, out=maxima)
+    p = exceedance(maxima, n, k)
+    assert 0.03 <= float((p < 0.1).mean()) <= 0.18
+    assert 0.38 <= float((p < 0.5).mean()) <= 0.62
+    assert float(np.median(maxima)) == pytest.approx(float(np.log(2 * k * k * n / np.log(2)) - 1.166), abs=1.0)
+    assert siegmund_arl(LADDER[0], k) < siegmund_arl(LADDER[-1], k)
+
+
+@pytest.mark.models
+def test_a_short_capture_of_real_text_replays_with_no_finding(tmp_path):
+    paths = capture("python-docs", 260, seed=5, cache=tmp_path, log=lambda _: None)
+    assert [p.exists() for p in paths] == [True]
+    traces = load(tmp_path, "python-docs", 5)
+    assert len(traces.requests) == 260 and all(len(r) == 6 for r in traces.requests)
+    run = replay(traces, order_seed=0)
+    assert run.judged == 60 and run.layer_traces == 360
+    assert (run.findings, run.page_crossings) == (0, 0) and 0 < run.worst < 1
+    lines: list[str] = []
+    summary = report([run], 0.5, log=lines.append)
+    assert summary["requests"] == 60 and any("crossings per stream-trace" in line for line in lines)

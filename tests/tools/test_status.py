@@ -1,0 +1,44 @@
+"""``attention-monitor status`` as text: columns as wide as their longest value, whatever
+the model ids and revisions; open incidents with the heads they name."""
+
+from __future__ import annotations
+
+import re
+
+from monitor.tools.status import LayerStatus, Status, from_metrics, report
+
+LONG_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+REVISION = "9c3f0a1b2c3d4e5f60718293a4b5c6d7e8f90123"
+
+
+def columns(line: str, header: str) -> list[str]:
+    """The cells of ``line`` cut where the header's columns start."""
+    starts = [0, *(m.end() for m in re.finditer(r"  +", header))]
+    return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+
+
+def test_every_column_fits_its_longest_value_and_rows_split_like_the_header():
+    status = Status()
+    status.layers[(LONG_MODEL, REVISION, 4)] = LayerStatus(REVISION, 200, True, 12_345, {}, ["diversity"],
+                                                           {"diversity": {"head-2": 20, "head-7": 23}})
+    status.layers[("m", "r1", 10)] = LayerStatus("-", 30, False, 30, {"learning": 30.0})
+    lines = report(status, 200).splitlines()
+    header, rows = lines[0], lines[1:3]
+    expected = [["m", "r1", "10", "-", "30/200 learning", "30", "learning 30", "-"],
+                [LONG_MODEL, REVISION, "4", REVISION, "200/200 ready", "12345", "-",
+                 "diversity: head-7 (23), head-2 (20)"]]
+    assert [columns(row, header) for row in rows] == expected
+    assert all(len(row) <= len(max(lines[:3], key=len)) for row in rows)
+    assert all(row.split()[:3] == cells[:3] for row, cells in zip(rows, expected, strict=True))
+
+
+def test_open_incidents_show_the_heads_their_gauge_names():
+    status = Status()
+    from_metrics(status, "\n".join([
+        'attention_incident_open{model="m",revision="r",layer="2",family="diversity"} 1',
+        'attention_incident_heads{model="m",revision="r",layer="2",family="diversity",head="head-1"} 3',
+        'attention_incident_heads{model="m",revision="r",layer="2",family="diversity",head="head-4"} 9',
+        'attention_traces_total{model="m",revision="r",layer="2"} 40', ""]))
+    row = status.layers[("m", "r", 2)]
+    assert row.incidents == ["diversity"] and row.heads == {"diversity": {"head-1": 3.0, "head-4": 9.0}}
+    assert report(status, 200).splitlines()[1].endswith("diversity: head-4 (9), head-1 (3)")
