@@ -255,3 +255,22 @@ def test_an_unknown_attention_kernel_is_served_untraced_and_counted(caplog):
     assert torch.equal(tapped, untapped)
     assert not sink.traces and counts.untraced == {"unknown_kernel": 1} and counts.failed == 0
     assert "'house-kernel' is not one whose rows the tap knows how to recompute" in caplog.text
+
+
+def test_only_the_tapped_model_is_traced_and_the_lookup_is_restored():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    tapped, other = twins("llama")  # sdpa and eager: both implementations pass through the wrapped lookup
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = tapped(input_ids=ids).logits, other(input_ids=ids).logits
+    sink = Collect()
+    wrapped_before = "get_interface" in ALL_ATTENTION_FUNCTIONS.__dict__  # by another wrapper still installed
+    tap = attach(tapped, sink, sample_rate=1.0)
+    assert "get_interface" in ALL_ATTENTION_FUNCTIONS.__dict__
+    with tap.request("r1"), torch.no_grad():
+        outputs = tapped(input_ids=ids).logits, other(input_ids=ids).logits
+    tap.detach()
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+    assert {h.request_id for h, _ in sink.traces} == {"r1"} and len(sink.traces) == 2  # the tapped model's layers
+    assert ("get_interface" in ALL_ATTENTION_FUNCTIONS.__dict__) == wrapped_before  # the class's own lookup again
