@@ -45,8 +45,9 @@ def serve(
 ) -> None:
     """Run transformers' own OpenAI-compatible server with the attention tap.
 
-    Usage: attention-monitor serve MODEL [transformers serve options] [these options].
-    Every option not listed here is `transformers serve`'s own, passed on as is
+    Give the MODEL to serve (a checkpoint directory or a hub id), then, in any order, the
+    options below and those of `transformers serve`. Every option not listed here is
+    `transformers serve`'s own, passed on as is
     (`transformers serve --help` lists them: --port, --host, --continuous-batching,
     --attn-implementation, --api-server-count, --device, ...).
 

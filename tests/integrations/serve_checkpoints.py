@@ -97,3 +97,23 @@ def save_gpt_oss(path: Path, seed: int = 0) -> Path:
     model = GptOssForCausalLM(config).eval()
     _sharpen(model, sinks=True)
     return save(model, path)
+
+
+def main() -> None:
+    """``python -m tests.integrations.serve_checkpoints DIR [--gpt-oss | --collapsed]``: save
+    one of these checkpoints in DIR, to try ``attention-monitor serve`` without a model
+    of one's own (the README's walk-through)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", type=Path)
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--gpt-oss", action="store_true", help="the gpt-oss-style model (learned sinks, a window)")
+    kind.add_argument("--collapsed", action="store_true", help="the Llama with its heads made alike (a canary)")
+    args = parser.parse_args()
+    path = save_gpt_oss(args.directory) if args.gpt_oss else save_llama(args.directory, collapsed=args.collapsed)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
