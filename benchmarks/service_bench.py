@@ -45,9 +45,9 @@ processes judges), the measuring processes against verifying and measuring alone
 also validate the header and, when there is one, judge), the broker against serving the
 raw consumer.
 
-With ``--judging both`` the two service configurations are ``--processes`` measuring
-processes with ``JUDGING=instance`` and with ``JUDGING=fleet`` (on one instance: both
-steps, the second one's records through the broker), and a last line compares them.
+Every service run does both steps of judging each stream in one place (on one instance:
+its observations through the broker to itself), in topics of its own, and ends when every
+trace is judged, so its CPU holds both steps.
 
 Last, it measures alone, one step at a time, the per-trace work the service must do
 beyond what the references do: validating the header, the detector, and the join with
@@ -91,8 +91,9 @@ from monitor.protocol.codec import Limits, Trace, decode, encode
 from monitor.protocol.model_contract import ContractTable, ModelContract
 from monitor.protocol.records import Record
 from monitor.protocol.schema import TraceHeader
+from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
-from monitor.service.pipeline import Pipeline
+from monitor.service.pipeline import Loopback, Pipeline
 from monitor.settings import Settings
 from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
@@ -241,7 +242,8 @@ def required_cpu(decoded: list[Trace], records: list[tuple[bytes, bytes]]) -> Re
 
         results = [Measured(trace_identity(t, r), tuple(t.header.heads), m, 0.0, a)
                    for t, r, m, a in zip(decoded, placed, metrics, anomalies, strict=True)]
-        pipeline = Pipeline(Premeasured(results), metrics=MonitorMetrics(CollectorRegistry()))
+        pipeline = Pipeline(Premeasured(results), metrics=MonitorMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                            judged_by=lambda model, revision: revision)
         start = time.process_time()
         pipeline.process(placed).result()
         account = (time.process_time() - start) / len(results)
@@ -336,16 +338,14 @@ def processes_label(n: int) -> str:
 
 
 def label(config: tuple[int, str]) -> str:
-    n, judging = config
-    return processes_label(n) + (", JUDGING=fleet" if judging == "fleet" else "")
+    return processes_label(config[0])
 
 
-def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int,
-          judging: str = "instance") -> Served:
+def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
     """``python -m monitor run`` with ``processes`` measuring processes in its own
-    consumer group, from the first trace to the last. With ``judging`` fleet, the rate is
-    still the consumed traces' (the judging step follows the join's wait), and the run
-    ends when every trace is judged too, so its CPU holds both steps."""
+    consumer group, from the first trace to the last. The rate is the consumed traces'
+    (the judging step follows the join's wait), and the run ends when every trace is
+    judged too, so its CPU holds both steps."""
     work = Path(tempfile.mkdtemp(prefix="service-bench-"))
     (work / "keyring.json").write_text(json.dumps({KEY_ID: SECRET.decode()}))
     port = free_port()
@@ -357,14 +357,14 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
-           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl), "ATTENTION_MONITOR_JUDGING": judging,
+           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl),
            "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": f"b-observations-{group}",
            "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": f"b-judge-state-{group}"}
-    if judging == "fleet":  # each run's own: a run must not judge the one before's observations
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        admin.create_topics({f"b-{t}-{group}": {"num_partitions": 4, "replication_factor": 1}
-                             for t in ("observations", "judge-state")}, wait_for_metadata=True)
-        admin.close()
+    # each run's own: a run must not judge the one before's observations
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics({f"b-{t}-{group}": {"num_partitions": 4, "replication_factor": 1}
+                         for t in ("observations", "judge-state")}, wait_for_metadata=True)
+    admin.close()
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
@@ -391,7 +391,7 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
             if done:
                 cpu_last = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
             last = (now, done)
-        while judging == "fleet" and done >= args.traces and time.monotonic() < deadline:
+        while done >= args.traces and time.monotonic() < deadline:
             service.check_alive()
             time.sleep(SCRAPE_S)
             if metric(port, "attention_monitor_observations_judged_total") >= args.traces:
@@ -434,9 +434,6 @@ def main() -> None:
                              "trace has --keys keys")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2,
                         help="the measuring processes of the second service configuration (default: the cores)")
-    parser.add_argument("--judging", choices=("instance", "fleet", "both"), default="instance",
-                        help="JUDGING of the service runs; both: --processes measuring processes with each, "
-                             "alternating, instead of 1 and --processes")
     parser.add_argument("--join-ttl", type=float, default=2.0,
                         help="the service's join TTL in seconds (no outcomes are sent, so every trace waits this "
                              "long: a short TTL lets the run reach its steady state; default 2)")
@@ -487,11 +484,14 @@ def main() -> None:
         measuring = Measuring(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000), processes=0)
         measuring.sync_contracts(table)
         registry = CollectorRegistry()
-        pipeline = Pipeline(measuring, metrics=MonitorMetrics(registry))
+        # no outcomes come: a trace leaves the join for its judge at the next batch, judged in-process
+        pipeline = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=1e-3)
+        hop = Loopback(Topics())
         start = time.perf_counter()
         polled = [Record("attention-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]
         for at in range(0, len(polled), 500):
-            pipeline.process(polled[at : at + 500]).result()
+            hop.run(pipeline, polled[at : at + 500])
+        hop.run(pipeline, [])
         in_process = len(records) / (time.perf_counter() - start)
         pipeline.close()
         measuring.close()
@@ -505,24 +505,21 @@ def main() -> None:
         # in 11 of 13 bench invocations (the broker's transaction, commit and group paths
         # still warming up); this one warms them, with one measuring process, uncounted.
         warm_up = serve(bootstrap, broker.process.pid, "bench-service-warm-up", args, 1)
-        configs: list[tuple[int, str]] = (
-            [(args.processes, "instance"), (args.processes, "fleet")] if args.judging == "both" else
-            [(n, args.judging) for n in sorted({1, args.processes})])
+        configs: list[tuple[int, str]] = [(n, "fleet") for n in sorted({1, args.processes})]
         served_by: dict[tuple[int, str], list[Served]] = {c: [] for c in configs}
         beside: dict[tuple[int, str], list[float]] = {c: [] for c in configs}  #: references' CPU just before each
         floor_beside: dict[tuple[int, str], list[float]] = {c: [] for c in configs}  #: min(raw, core) just before
         raw_rates, core_rates = [raw], [core]  #: every measurement of the two rates, for the summary
         for i in range(2):  # alternate, so drift on this noisy machine hits both alike
             for config in configs:
-                n, judging = config
+                n, _ = config
                 again = raw_consume(bootstrap, f"raw-beside-{n}-{i}", args.traces, pid, **fetch)
                 core_rates.append(core_rate(decoded, per_call))
                 raw_rates.append(again.rate)
                 floor_beside[config].append(min(again.rate, core_rates[-1]))
                 beside[config].append(again.consumer_cpu + again.broker_cpu + verify_cpu(records)
                                       + 1 / core_rates[-1])
-                served_by[config].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{judging}-{i}",
-                                               args, n, judging))
+                served_by[config].append(serve(bootstrap, broker.process.pid, f"bench-service-{n}-{i}", args, n))
     finally:
         broker.stop()
 
@@ -548,7 +545,7 @@ def main() -> None:
           f"{warm_up.cpu_per_trace / least:.2f}x the references'")
     fastest = {c: max(runs, key=lambda r: r.rate) for c, runs in served_by.items()}
     for config, runs in served_by.items():
-        n, judging = config
+        n, _ = config
         run = fastest[config]
         adjacent = beside[config][runs.index(run)]
         per_trace = run.cpu_per_trace
@@ -604,14 +601,6 @@ def main() -> None:
         print(f"  {label(config)}: {run.rate / best_floor:.0%} of min(raw, core), "
               f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references' (each run against min(raw, core) "
               f"measured just before it, median: {paired:.0%})")
-    if args.judging == "both":
-        one, fleet = (fastest[(args.processes, j)] for j in ("instance", "fleet"))
-        pairs = ", ".join(f"{f.rate / i.rate:.0%}" for i, f in zip(served_by[(args.processes, "instance")],
-                                                                   served_by[(args.processes, "fleet")], strict=True))
-        print(f"JUDGING=fleet against instance, fastest runs: {fleet.rate / one.rate:.0%} of the rate, "
-              f"{fleet.cpu_per_trace / one.cpu_per_trace:.2f}x the CPU per trace (both steps; each pair of runs: "
-              f"{pairs} of the rate)")
-
 
 if __name__ == "__main__":
     main()

@@ -85,25 +85,23 @@ class Settings(BaseSettings):
                                         "1 a second), split over all the revision's streams (docs/detection.md)")
     min_effect: float = Field(DetectorConfig.min_effect, ge=0)
     reference_pins: CommaList = Field(default_factory=list, description="model@revision=reference_revision, ...")
-    judging: Literal["instance", "fleet"] = Field("instance", description="instance: each instance judges the "
-                                                  "traces of its partitions; fleet: each stream is judged by one "
-                                                  "instance, wherever it was measured (needs the observations "
-                                                  "and judge-state topics; docs/scaling.md)")
+    #: removed: every stream is judged in one place whatever the number of instances (the
+    #: former JUDGING=fleet); a deployment still setting it is told so (_removed)
+    judging: str | None = Field(None, exclude=True, description="removed (each stream is judged in one place)")
     incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
                                     "anomaly of its family on its layer")
     join_ttl_s: float = Field(30.0, gt=0)
     join_max_entries: int = Field(200_000, gt=0)
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
-    state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved, and with "
-                                         "JUDGING=fleet the judges' state written to the judge-state topic (0: "
-                                         "every batch)")
+    state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved, and "
+                                         "the judges' state written to the judge-state topic (0: every batch)")
     reuse_freed_memory: bool = Field(True, description="keep freed memory for reuse (glibc), so records do not "
                                                        "fault in fresh pages; resident memory stays at its peak")
     measure_processes: int | None = Field(None, ge=0, le=64, description="child processes that decode, verify "
-                                          "and measure beside the consumer (one also judges; with several, the "
-                                          "service's process judges in order; default: one per core, at most 8); "
-                                          "0: a thread of the service's own process")
+                                          "and measure beside the consumer (the service's process judges, in "
+                                          "order; default: one per core, at most 8); 0: a thread of the service's "
+                                          "own process")
 
     # Export
     metrics_address: str = "127.0.0.1"
@@ -132,6 +130,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _removed(self) -> Settings:
+        if self.judging is not None:
+            raise ValueError(
+                f"ATTENTION_MONITOR_JUDGING (here {self.judging!r}) was removed: every stream is now judged in one "
+                "place whatever the number of instances (what JUDGING=fleet did; docs/scaling.md). Remove the "
+                "setting; every instance needs the attention-observations and attention-judge-state topics "
+                "(attention-monitor topics create makes the missing ones)")
+        return self
 
     @model_validator(mode="after")
     def _pairs(self) -> Settings:

@@ -2,9 +2,9 @@
 (``attention-monitor acls apply``; docker-compose.yml runs it at start).
 
 - ``monitor``: reads traces, outcomes, contracts and reference decisions; reads and
-  writes its outputs (it reads them back after a restart) and the observations on their
-  way to their judge (``JUDGING=fleet``); its consumer group; its
-  transactional ids (``<group>-…``), which commit outputs with offsets.
+  writes its outputs (it reads them back after a restart), the observations on their
+  way to their judge and the judges' state; its consumer group; its transactional ids
+  (``<group>-…``), which commit outputs with offsets.
 - ``model-server``: writes traces, outcomes and model contracts.
 - ``operator``: writes reference decisions; reads outputs, decisions and contracts
   (``triage``, ``status``, ``reference list``).

@@ -87,7 +87,7 @@ def read_range(connection: Connection, topic: str, partition: int, start: int | 
                timeout_s: float = 60.0) -> list[tuple[int, bytes | None, bytes | None]]:
     """(offset, key, value) of the committed records of one partition from ``start`` (None:
     its beginning) up to ``end`` (None: its end now), in order: what a new owner of a
-    judge's observations partition reads back (JUDGING=fleet)."""
+    judge's observations partition reads back)."""
     tp = (topic, partition)
     out: list[tuple[int, bytes | None, bytes | None]] = []
     consumer = None

@@ -27,7 +27,7 @@ def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERR
     (decode, metrics, detection run in a child process) died.
     """
     from monitor.errors import ConfigurationError
-    from monitor.service.loop import run_service
+    from monitor.service.app import run_service
 
     setup_logging(log_level)
     settings = load_settings()
@@ -132,8 +132,7 @@ def status(
     pinned to a reference not ready), and open incidents; then the pins and promotions.
     Read from the saved reference state (ATTENTION_MONITOR_STATE_DIR) and the live
     services' /metrics: with several --url, traces add up and a layer is ready when the
-    instances judging it say so (with JUDGING=fleet, the one that judges it). Exits 1
-    when nothing can be read."""
+    instance that judges it says so. Exits 1 when nothing can be read."""
     from monitor.tools.status import gather, report
 
     settings = load_settings()
@@ -142,7 +141,7 @@ def status(
     targets = url or [f"{'https' if s.metrics_tls_cert else 'http'}://{host}:{s.metrics_port}/metrics"]
     auth = (s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value()) \
         if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None
-    found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert, s.judging == "fleet")
+    found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert, fleet=True)
     typer.echo(report(found, s.reference_traces), nl=False)
     if not found.layers and not found.decisions:
         raise typer.Exit(EXIT_FAILED)

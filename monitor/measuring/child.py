@@ -63,9 +63,9 @@ class Command(Enum):
 
     OBSERVE = "observe"  #: (chunk,) → observed (decoded, verified, measured; not judged)
     JUDGE = "judge"  #: (observed,) → results
-    JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries, again) → verdicts (JUDGING=fleet)
-    KEY_STATES = "key_states"  #: (judge keys,) → their states (JUDGING=fleet)
-    RESTORE = "restore"  #: (judge keys' states,): install them (JUDGING=fleet)
+    JUDGE_FORWARDED = "judge_forwarded"  #: (forwarded entries, again) → verdicts
+    KEY_STATES = "key_states"  #: (judge keys,) → their states
+    RESTORE = "restore"  #: (judge keys' states,): install them
     SET_CONTRACTS = "set_contracts"  #: (contracts,)
     FORGET = "forget"  #: (trace ids,): let these traces through again
     DECIDE = "decide"  #: (reference decisions,): pins and promotions, in order

@@ -31,6 +31,7 @@ from monitor.core.join import RecentKeys
 from monitor.core.key_state import KeyState
 from monitor.core.mass import row_mass
 from monitor.core.metrics import HeadMetrics, head_metrics
+from monitor.core.pins import Pins
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring import batching
 from monitor.protocol.access import Keyring, ScopePolicy
@@ -135,21 +136,26 @@ class MeasurerSpec:
     state: Mapping[str, Any] | None = None  #: detector reference state to start from
     log_level: int = logging.INFO
     reuse_freed_memory: bool = True  #: see :mod:`monitor.measuring.tuning`
-    #: judge the traces measured here (``JUDGING=instance``); with ``fleet`` they are only
-    #: de-duplicated, and judged where their stream's observations arrive
-    judges: bool = True
+
+    def pins(self) -> Pins:
+        """The rule its judge starts with: the settings' pins and the saved state's
+        (:mod:`monitor.core.pins`), for routing traces to the judge the same way."""
+        pins = Pins(self.detector.pins)
+        pins.merge([] if self.state is None else self.state.get("decisions", []))
+        return pins
 
     def observer(self) -> Observer:
         """What a measuring child builds: it observes, and holds no detector or window."""
         return Observer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), limits=self.limits)
 
     def build(self) -> Measurer:
-        """The judge's measurer (it may observe too: :class:`Observer`)."""
+        """The service's judge: it de-duplicates the traces observed here and judges only
+        those that reach it through the observations topic (:meth:`Measurer.judge_forwarded`)."""
         detector = Detector(self.detector)
         if self.state is not None:
             detector.merge_state(self.state)
         return Measurer(keyring=self.keyring, scopes=self.scopes, contracts=ContractTable(), detector=detector,
-                        limits=self.limits, dedupe_window=self.dedupe_window, judges=self.judges)
+                        limits=self.limits, dedupe_window=self.dedupe_window, judges=False)
 
 
 class Observer:
@@ -286,8 +292,9 @@ class Measurer(Observer):
         return self.judge(self.observe(records))
 
     def judge(self, observed: list[Observed | Rejected]) -> list[Result]:
-        """De-duplicate and (``judges``) run the detector, in the order given (record
-        order)."""
+        """De-duplicate and, when this measurer ``judges`` what it observes (in-process
+        use; the service judges each stream in one place instead), run the detector, in
+        the order given (record order)."""
         traces = [item for item in observed if isinstance(item, Observed)]
         if not self.judges:
             fresh = iter([self.recent.add(("trace", item.identity.trace_id)) for item in traces])

@@ -166,6 +166,7 @@ class Measuring:
             raise ValueError(f"measuring processes must be 0 (a thread) or more (child processes), got {processes}")
         self.observers: ThreadObserver | ProcessObservers = (
             ThreadObserver(spec) if processes == 0 else ProcessObservers(spec, processes))
+        self.spec = spec
         self._judge = Judge(spec.build())
         self._contracts_version = -1
         self._decisions_version = 0
@@ -176,9 +177,8 @@ class Measuring:
 
     def judge_forwarded(self, entries: list[Forwarded], again: bool = False
                         ) -> Future[list[Verdict | Duplicate | Rejected]]:
-        """Queue traces measured elsewhere for the judge (``JUDGING=fleet``), in order
-        with everything else it is given; their verdicts (``again``: see
-        :meth:`Measurer.judge_forwarded`)."""
+        """Queue traces measured elsewhere for the judge, in order with everything else
+        it is given; their verdicts (``again``: see :meth:`Measurer.judge_forwarded`)."""
         return self._judge.command(Command.JUDGE_FORWARDED, (entries, again))
 
     def key_states(self, keys: list[tuple[str, str]]) -> Future[list[KeyState]]:

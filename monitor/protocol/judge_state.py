@@ -1,6 +1,6 @@
 """Records of the internal judge-state topic: the state of the judges of one
 observations partition, so that it follows the partition to another instance
-(``JUDGING=fleet``; the design: ``docs/architecture.md``).
+(the design: ``docs/architecture.md``).
 
 Every ``STATE_SAVE_INTERVAL_S`` the instance that owns observations partition *i* writes,
 in the transaction that commits its offsets, a *round* to partition *i* of this

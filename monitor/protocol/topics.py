@@ -23,7 +23,7 @@ class Topics:
     dead_letter: str = "attention-dead-letter"
     references: str = "attention-references"
     #: internal: measured traces on their way to the instance that judges their stream
-    #: (``JUDGING=fleet``; :mod:`monitor.protocol.observations`)
+    #: (:mod:`monitor.protocol.observations`)
     observations: str = "attention-observations"
     #: internal: the judges' state, so that it follows a moved observations partition
     #: (compacted; partition *i* holds the state of the keys of observations partition *i*)

@@ -25,6 +25,7 @@ from monitor.service.assignment import Assignment
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
 from monitor.service.pipeline import Batch, Pipeline
+from monitor.service.retry import Backoff
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
@@ -61,7 +62,7 @@ class Delivery:
         self.metrics.commits.inc()
 
     def _commit(self, batch: Batch, offsets: dict[TP, int]) -> None:
-        delay, stop_at = 0.5, None
+        backoff, stop_at = Backoff(), None
         while True:
             try:
                 self.producer.commit(batch.outputs, offsets, self.consumer.group_metadata(),
@@ -88,5 +89,4 @@ class Delivery:
                     if time.monotonic() > stop_at:
                         raise InfrastructureError("stopping with a batch not committed (it is read again at the "
                                                   "next start)", retriable=False) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                backoff.wait()

@@ -179,7 +179,7 @@ class MonitorMetrics:
         self.triage = Info(f"{s}triage", "Where on-call's browser reaches this instance's /triage/ pages "
                            "(TRIAGE_URL; alerts link there). Absent when not set.", registry=None)
         self.judged_here = Counter(f"{s}observations_judged", "Traces judged by this instance from the "
-                                   "observations topic, wherever they were measured (JUDGING=fleet).", registry=r)
+                                   "observations topic, wherever they were measured.", registry=r)
         self.rebalances = Counter(f"{s}rebalances", "Partition assignment changes (partitions revoked or assigned).",
                                   registry=r)
         for reason in ("ttl", "capacity"):
@@ -261,7 +261,7 @@ class LayerSeries:
         self.anomalies = {kind: metrics.anomalies.labels(*key, kind) for kind in KINDS}
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
         #: the layer's traces judged here by the outcome they were joined to, since start, as
-        #: anomaly records carry them (the one tally; with JUDGING=fleet, of the whole fleet)
+        #: anomaly records carry them (the one tally: its judge judges all the fleet's traces)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
@@ -352,8 +352,3 @@ class LayerSeries:
         self.outcomes[outcome] += 1
         for kind in set(kinds):
             self.anomaly_outcomes[(kind, outcome)].inc()
-
-    def observe_outcome(self, outcome: str, kinds: Iterable[str]) -> None:
-        """A trace joined and judged here (JUDGING=instance): both of the above."""
-        self.observe_joined(outcome)
-        self.observe_judged(outcome, kinds)

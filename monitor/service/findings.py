@@ -6,12 +6,8 @@ fresh, judged again after a restart whose records were written before it
 rebuild its judges' evidence (:attr:`Mode.REPLAYED`). It makes the exporter's updates
 (readiness, judging revision, anomaly counts, the layer's outcome tally), the anomaly
 records (``monitor.protocol.findings``) and the incidents, with their records and
-gauges. A new verdict metric is one edit here.
-
-An anomaly record carries the outcome its trace was joined to. A verdict given before
-its trace's outcome is known (``JUDGING=instance`` judges where it measures) keeps what
-its records need as a :class:`Found`, and :meth:`Findings.records` writes them once the
-join has the outcome: one way to build the records, whenever the outcome arrives.
+gauges. A new verdict metric is one edit here. An anomaly record carries the outcome
+its trace was joined to where it was measured: a trace reaches its judge joined.
 """
 
 from __future__ import annotations
@@ -19,11 +15,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from monitor.core.detect import Anomaly, Verdict
+from monitor.core.detect import Verdict
 from monitor.core.incidents import Change, IncidentTracker
 from monitor.measuring.measurer import Duplicate, Rejected
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
@@ -31,7 +26,7 @@ from monitor.protocol.records import Output, Source, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
 
-__all__ = ["Findings", "Found", "Mode"]
+__all__ = ["Findings", "Mode"]
 
 log = logging.getLogger(__name__)
 NO_SOURCE: Source = ("", -1, -1)
@@ -43,15 +38,6 @@ class Mode(Enum):
     REPLAYED = "replayed"  #: the incidents only, silently: rebuilding a moved partition's evidence
 
 
-@dataclass(frozen=True)
-class Found:
-    """A trace's anomalies with the evidence its anomaly records carry."""
-
-    identity: TraceIdentity
-    anomalies: list[Anomaly]
-    evidence: dict[str, Any] | None
-
-
 class Findings:
     """Verdicts in, exporter updates, anomaly and incident records and incidents out."""
 
@@ -61,19 +47,17 @@ class Findings:
         self.incidents = IncidentTracker(incident_quiet)
         self._clock, self._wall = clock, wall_clock
 
-    def judged(self, identity: TraceIdentity, verdict: Verdict | Duplicate | Rejected, outcome: str | None,
-               source: Source, mode: Mode = Mode.FRESH) -> tuple[list[Output], Found | None]:
-        """The outputs of one verdict (``outcome``: the one its trace was joined to; None
-        when it is not known yet: its anomaly records are then :meth:`records`' to write),
-        and what it found."""
+    def judged(self, identity: TraceIdentity, verdict: Verdict | Duplicate | Rejected, outcome: str,
+               source: Source, mode: Mode = Mode.FRESH) -> list[Output]:
+        """The outputs of one verdict on a trace joined to ``outcome``, read from ``source``."""
         if isinstance(verdict, Duplicate):
             if mode is not Mode.REPLAYED:
                 self.metrics.duplicates.inc()
-            return [], None
+            return []
         if isinstance(verdict, Rejected):
             if mode is not Mode.REPLAYED:
                 self.metrics.rejected.labels(verdict.reason.value).inc()
-            return [], None
+            return []
         series = self.metrics.layer(identity.model_id, identity.model_revision, identity.layer)
         kinds = [a.kind for a in verdict.anomalies]
         if mode is not Mode.REPLAYED:
@@ -82,38 +66,26 @@ class Findings:
                 self.metrics.references_evicted.inc(verdict.evicted)
             for kind in kinds:
                 series.observe_anomaly(kind)
-            if outcome is not None:  # judged from the observations topic, which carries it
-                self.metrics.judged_here.inc()
-                series.observe_judged(outcome, kinds)
+            self.metrics.judged_here.inc()
+            series.observe_judged(outcome, kinds)
         if not verdict.anomalies:
-            return [], None
+            return []
         now = self._wall()
-        found = Found(identity, verdict.anomalies,
-                      None if mode is Mode.REPLAYED else evidence_fields(verdict.evidence))
-        tally = series.outcomes if outcome is not None and mode is not Mode.REPLAYED else None
-        docs = [anomaly_record(identity.fields(), a, outcome, now, found.evidence, tally) for a in verdict.anomalies]
+        if mode is Mode.REPLAYED:  # taken into the incidents silently: the first judge wrote its records
+            docs = [anomaly_record(identity.fields(), a, outcome, now) for a in verdict.anomalies]
+        else:
+            evidence = evidence_fields(verdict.evidence)
+            docs = [anomaly_record(identity.fields(), a, outcome, now, evidence, series.outcomes)
+                    for a in verdict.anomalies]
         changes = self.incidents.observe(identity.model_id, identity.model_revision, identity.layer,
                                          verdict.anomalies, docs, self._clock(), _opened_at(identity, now))
-        if mode is Mode.REPLAYED:  # taken in silently: the first judge wrote its records
-            return [], found
+        if mode is Mode.REPLAYED:
+            return []
         written = self.incident_records(changes, source)
         if mode is Mode.WRITTEN:
-            return [], found
-        if outcome is not None:
-            written += [self._anomaly_output(identity, doc, source) for doc in docs]
-        return written, found
-
-    def records(self, found: Found, outcome: str, source: Source) -> list[Output]:
-        """The anomaly records of a trace judged before its outcome was known, now that it is."""
-        series = self.metrics.layer(found.identity.model_id, found.identity.model_revision, found.identity.layer)
-        now = self._wall()
-        return [self._anomaly_output(found.identity, anomaly_record(found.identity.fields(), a, outcome, now,
-                                                                    found.evidence, series.outcomes), source)
-                for a in found.anomalies]
-
-    def _anomaly_output(self, identity: TraceIdentity, doc: dict[str, Any], source: Source) -> Output:
-        return Output(self.topics.anomalies, identity.request_id.encode(), json.dumps(doc, sort_keys=True).encode(),
-                      source)
+            return []
+        return written + [Output(self.topics.anomalies, identity.request_id.encode(),
+                                 json.dumps(doc, sort_keys=True).encode(), source) for doc in docs]
 
     def expire(self) -> list[Output]:
         """Records of the incidents quiet for long enough to close."""

@@ -29,7 +29,7 @@ from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Output, Record
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
-from monitor.service.pipeline import Pipeline
+from monitor.service.pipeline import Loopback, Pipeline
 from monitor.tools.scenario import Fault, Scenario
 
 KEY_ID, SECRET = "demo", b"demo-secret-not-for-production"
@@ -80,6 +80,7 @@ def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock,
     metrics, topics = pipeline.metrics, pipeline.topics
     rev1, rev2 = models
     result = DemoResult()
+    hop = Loopback(topics)  # the observations topic, in-process: each stream's judge is this pipeline
     offset = 0
     for model, count in ((rev1, requests), (rev2, requests)):
         for layer in range(model.layers):
@@ -105,12 +106,12 @@ def _serve_requests(pipeline: Pipeline, rng: np.random.Generator, clock: _Clock,
                 records.append(Record(topics.traces, 0, offset, b"bad", encode(header, weights, "unknown-key",
                                                                                b"0" * 32)))
                 offset += 1
-            _collect(result, pipeline.process(records).result().outputs)
+            _collect(result, hop.run(pipeline, records))
             clock.now += 0.1
             if pace:
                 time.sleep(pace)
     clock.now += 3600  # the end of the run: whatever still waits has no outcome
-    _collect(result, pipeline.process([]).result().outputs)
+    _collect(result, hop.run(pipeline, []))
     return result
 
 

@@ -101,7 +101,7 @@ def test_triage_url_is_exported_for_alerts_and_checked(monkeypatch):
     """TRIAGE_URL becomes attention_monitor_triage_info{url}, which the alerts' triage_url
     links to (alerts/tests cover the template); an address that is not http(s) is refused
     by check-config with the reason."""
-    from monitor.service.loop import Service
+    from monitor.service.app import Service
 
     monkeypatch.setenv("ATTENTION_MONITOR_TRIAGE_URL", "https://monitor-1.example.com/")
     service = Service(Settings())

@@ -13,7 +13,15 @@ from kafka import KafkaProducer
 from monitor.protocol.codec import encode
 from tests.factories import KEY_ID, SECRET, make_trace
 from tests.faults.accounting import one_output_each, processed
-from tests.service.harness import Monitor, OutputReader, make_topics, monitor_env, publish_contracts, send_traces
+from tests.service.harness import (
+    Monitor,
+    OutputReader,
+    make_topics,
+    monitor_env,
+    publish_contracts,
+    send_outcomes,
+    send_traces,
+)
 from tests.service.test_service import healthy
 
 pytestmark = [pytest.mark.kafka, pytest.mark.faults]
@@ -24,7 +32,9 @@ def test_a_backlog_longer_than_the_join_ttl_joins_as_live_traffic(kafka_broker, 
     bootstrap = kafka_broker.bootstrap
     topics = make_topics(make_topic, partitions=1)
     publish_contracts(bootstrap, topics)
-    send_traces(bootstrap, topics.traces, healthy(30, 0))  # the reference, first in the partition
+    reference = healthy(30, 0)  # the reference, first in the partition and first joined (a trace is judged once
+    send_traces(bootstrap, topics.traces, reference)  # joined: without outcomes it would wait for the TTL)
+    send_outcomes(bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in reference})
     producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_request_size=4 << 20)
     started = time.monotonic()
     traces = []

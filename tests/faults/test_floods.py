@@ -65,6 +65,8 @@ def test_layer_and_revision_floods_stay_within_their_caps(kafka_broker, make_top
         send_traces(bootstrap, topics.traces, traces)
         monitor.wait_until(lambda: processed(monitor.metrics()) == len(traces), timeout=120,
                            what="every flooding trace accounted for")
+        monitor.wait_until(lambda: monitor.value("attention_monitor_observations_judged_total") == len(traces),
+                           timeout=120, what="every flooding trace judged (once its join's wait is over)")
         m = monitor.metrics()
         assert m["attention_monitor_layer_overflow_total"] > 0
         assert m["attention_monitor_label_overflow_total"] > 0

@@ -65,8 +65,8 @@ def test_an_outage_longer_than_the_delivery_timeout_loses_and_doubles_nothing(tm
         monitor.wait_ready()
         reference = healthy(40, 0)
         send_traces(broker.bootstrap, topics.traces, reference)
-        monitor.wait_until(lambda: monitor.value("attention_monitor_traces_consumed_total") >= 40, timeout=60,
-                           what="the reference learnt")
+        monitor.wait_until(lambda: monitor.value("attention_monitor_observations_judged_total") >= 40, timeout=60,
+                           what="the reference learnt (its traces judged once their join's wait is over)")
 
         # A batch in the monitor's hands when the broker goes: its measuring process is
         # held while the service polls the batch, then released into the outage.

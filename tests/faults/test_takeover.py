@@ -1,4 +1,4 @@
-"""kill -9 of the instance that judges a stream (JUDGING=fleet), in the middle of a
+"""kill -9 of the instance that judges a stream in the middle of a
 canary: the survivor takes the stream over from the judge-state topic and the committed
 observations, and the anomaly records are exactly those of a run without the kill:
 none lost, none written twice.
@@ -66,9 +66,9 @@ def run(kafka_broker, make_topic, tmp_path: Path, kill: bool) -> tuple[list[tupl
     monitors = []
     for i in range(2 if kill else 1):
         (tmp_path / f"m{i}").mkdir(parents=True)
-        env = monitor_env(kafka_broker.bootstrap, topics, group, tmp_path / f"m{i}", judging="fleet",
-                          measure_processes=0, client_id=f"takeover-{i}", session_timeout_ms=6000,
-                          heartbeat_interval_ms=1000, state_save_interval_s=30,  # the shipped interval
+        env = monitor_env(kafka_broker.bootstrap, topics, group, tmp_path / f"m{i}", measure_processes=0,
+                          client_id=f"takeover-{i}", session_timeout_ms=6000, heartbeat_interval_ms=1000,
+                          state_save_interval_s=30,  # the shipped interval
                           reference_pins="scenario-lm@rev-2=rev-1")
         monitors.append(Monitor(env, tmp_path / f"m{i}.log", name=f"monitor-{i}"))
     reader = OutputReader(kafka_broker.bootstrap, topics.anomalies)

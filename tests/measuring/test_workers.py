@@ -23,6 +23,7 @@ from monitor.measuring.measurer import Duplicate, Measured, MeasurerSpec, Reject
 from monitor.measuring.workers import Measuring, results
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
+from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Record
 from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
 
@@ -52,6 +53,12 @@ def child():
     r = Measuring(spec(), processes=1)
     yield r
     r.close()
+
+
+def judged(measuring: Measuring, results: list) -> list:
+    """The measured traces judged, as their judge receives them once joined."""
+    entries = [Forwarded(r.identity, r.heads, r.metrics, "success") for r in results if isinstance(r, Measured)]
+    return measuring.judge_forwarded(entries).result()
 
 
 def comparable(result):
@@ -112,7 +119,7 @@ def test_forgotten_traces_are_measured_again(child):
 
 def test_the_reference_state_comes_back_from_the_child(child):
     child.sync_contracts(table())
-    run(child, records(8))
+    judged(child, run(child, records(8)))
     state = child.state().result()
     # one layer; its reference learnt from the first reference_traces (5) traces only
     assert [item["reference"]["traces"] for item in state["references"]] == [5]
@@ -248,14 +255,20 @@ def test_several_processes_give_what_one_gives_in_the_same_order(monkeypatch):
         for m in (many, one):
             m.sync_contracts(table())
             out = run(m, first)
+            verdicts = judged(m, out)
             m.forget([r.identity.trace_id for r in out[:4]])  # these may come again
             m.remember([r.identity.trace_id for r in run(m, second[:5])])
-            out += run(m, first[:6] + second + [Record("traces", 1, 999, None, b"junk")])
-            outputs.append((out, m.state().result()))
-        (ours, our_state), (theirs, their_state) = outputs
+            more = run(m, first[:6] + second + [Record("traces", 1, 999, None, b"junk")])
+            out += more
+            verdicts += judged(m, more)
+            outputs.append((out, verdicts, m.state().result()))
+        (ours, our_verdicts, our_state), (theirs, their_verdicts, their_state) = outputs
         assert [comparable(r) for r in ours] == [comparable(r) for r in theirs]
-        assert [r.verdict.reference_traces for r in ours if isinstance(r, Measured)] == \
-            [r.verdict.reference_traces for r in theirs if isinstance(r, Measured)]
+        def readiness(verdicts):
+            return [getattr(v, "reference_traces", type(v).__name__) for v in verdicts]
+
+        assert readiness(our_verdicts) == readiness(their_verdicts)
+        assert readiness(our_verdicts)[:6] == [1, 2, 3, 4, 5, 5] and "Duplicate" in readiness(our_verdicts)
         kinds = [type(r).__name__ for r in ours]
         assert kinds[:40] == ["Measured"] * 40
         assert kinds[40:] == ["Measured"] * 4 + ["Duplicate"] * 2 + ["Duplicate"] * 5 + ["Measured"] * 15 + \

@@ -114,7 +114,8 @@ def test_series_per_model_revision_follow_the_documented_formula():
                                      measured([0.5] * heads, [0.5] * heads, [0.5] * heads, 0.5, 2.0))
                 for kind in ("low_diversity", "sink_shift"):
                     series.observe_anomaly(kind)
-                series.observe_outcome("failure", ["low_diversity"])
+                series.observe_joined("failure")
+                series.observe_judged("failure", ["low_diversity"])
                 series.observe_verdict(Verdict([], "r0", False, 100, True))
                 series.observe_verdict(Verdict([], None, True, 3, False))
             return sum(len(f.samples) for f in registry.collect()) - before

@@ -29,7 +29,7 @@ from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Record
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
-from monitor.service.pipeline import Pipeline
+from monitor.service.pipeline import Loopback, Pipeline
 from tests.factories import CONTRACT, KEYRING, SCOPES, make_record
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exposition.golden.txt"
@@ -62,10 +62,11 @@ def exposition(detail_level: str) -> str:
         outcome = json.dumps({"request_id": "collapsed-1", "outcome": "failure"}).encode()
         odd = [Record(TOPICS.traces, 1, 0, b"k", b"not a trace"), healthy[0],
                Record(TOPICS.outcomes, 0, 0, b"r", outcome), Record(TOPICS.outcomes, 0, 1, b"r", b"{}")]
-        pipeline.process(healthy).result()
-        pipeline.process(collapsed + odd).result()
+        hop = Loopback(TOPICS)  # each trace reaches its judge through the observations topic, in-process
+        hop.run(pipeline, healthy)
+        hop.run(pipeline, collapsed + odd)
         now["t"] += 60
-        pipeline.process([]).result()  # the rest leave without an outcome
+        hop.run(pipeline, [])  # the rest leave without an outcome
     finally:
         pipeline.close()
         measuring.close()

@@ -1,10 +1,11 @@
-"""JUDGING=fleet on the real broker: each stream is judged in one place, so three
-instances in one group find a canary as one instance does.
+"""Each stream judged in one place on the real broker, so three instances in one group
+find a canary as one instance does.
 
-With JUDGING=instance, three instances given the traffic one reference needs each held
-a third of it: no reference was ready and every trace of a collapsed canary went
-unjudged (measured with the shipped defaults: 65–69 ``no_reference`` per instance, nothing
-found). Here the same traffic reaches one judge, wherever it was measured."""
+When each instance judged its own partitions (the former default), three instances given
+the traffic one reference needs each held a third of it: no reference was ready and
+every trace of a collapsed canary went unjudged (measured with the shipped defaults:
+65–69 ``no_reference`` per instance, nothing found). Here the same traffic reaches one
+judge, wherever it was measured."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
     monitors = []
     for i in range(instances):
         (tmp_path / f"m{i}").mkdir(parents=True)
-        env = monitor_env(kafka_broker.bootstrap, topics, group, tmp_path / f"m{i}", judging="fleet",
-                          measure_processes=0, client_id=f"fleet-{i}", reference_pins="scenario-lm@rev-2=rev-1")
+        env = monitor_env(kafka_broker.bootstrap, topics, group, tmp_path / f"m{i}", measure_processes=0,
+                          client_id=f"fleet-{i}", reference_pins="scenario-lm@rev-2=rev-1")
         monitors.append(Monitor(env, tmp_path / f"m{i}.log", name=f"monitor-{i}"))
     try:
         for m in monitors:
@@ -90,8 +91,7 @@ def run(kafka_broker, make_topic, tmp_path: Path, instances: int) -> dict[str, o
         return {"counts": counts, "first": min(int(str(d["request_id"]).rpartition("-")[2]) for d in findings),
                 "outcomes": {d["outcome"] for d in findings}, "layers": {d["layer"] for d in findings},
                 "kinds": sorted({str(d["kind"]) for d in findings}),
-                "measured": measured, "judged": judged, "status": rows,
-                "told": any("with JUDGING=instance" in m.process.log_path.read_text() for m in monitors)}
+                "measured": measured, "judged": judged, "status": rows}
     finally:
         for m in monitors:
             m.process.stop()
@@ -113,25 +113,39 @@ def test_three_instances_find_the_canary_as_one_instance_does(kafka_broker, make
     assert "entropy_collapse" in one["kinds"] and "entropy_collapse" in three["kinds"], (one, three)
     assert sum(v > 0 for v in three["measured"]) >= 2, three["measured"]  # measured on several instances...
     assert sum(v > 0 for v in three["judged"]) == 1, three["judged"]  # ...and judged on one
-    assert not three["told"]  # a fleet is not told to become one
 
 
-def test_instances_sharing_a_group_with_judging_instance_are_told_to_judge_as_a_fleet(
-        kafka_broker, make_topic, tmp_path):
-    """The default judges per instance: one that shares the trace partitions says what
-    that costs and which setting removes it."""
+def test_an_instance_without_the_internal_topics_refuses_to_start_and_names_them(kafka_broker, make_topic,
+                                                                                    tmp_path):
+    """Every instance judges through the observations and judge-state topics: one that
+    cannot find them stops at once (exit 3), naming both and the command that creates
+    them, instead of measuring traces no judge will ever see."""
     topics = make_topics(make_topic, partitions=2)
     publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract()])
-    monitors = []
-    for i in range(2):
-        (tmp_path / f"m{i}").mkdir()
-        env = monitor_env(kafka_broker.bootstrap, topics, f"shared-{tmp_path.name}", tmp_path / f"m{i}",
-                          measure_processes=0, client_id=f"shared-{i}")
-        monitors.append(Monitor(env, tmp_path / f"m{i}.log", name=f"monitor-{i}"))
+    env = monitor_env(kafka_broker.bootstrap, topics, f"no-internal-{tmp_path.name}", tmp_path,
+                      measure_processes=0, observations_topic=f"missing-observations-{tmp_path.name}",
+                      judge_state_topic=f"missing-judge-state-{tmp_path.name}")
+    monitor = Monitor(env, tmp_path / "monitor.log")
     try:
-        told = "measures 1 of the 2 trace partitions: with JUDGING=instance"
-        wait_for(lambda: all(told in m.process.log_path.read_text() for m in monitors), timeout=90,
-                 what="both instances told they judge a share")
+        wait_for(lambda: not monitor.process.alive(), timeout=90, what="the instance to refuse")
+        log = monitor.process.log_path.read_text()
+        assert monitor.process.proc.returncode == 3, log[-2000:]
+        assert (f"topics missing-observations-{tmp_path.name} and missing-judge-state-{tmp_path.name} missing"
+                in log), log[-2000:]
+        assert "attention-monitor topics create --partitions 2" in log
     finally:
-        for m in monitors:
-            m.process.stop()
+        monitor.process.stop()
+
+
+def test_a_deployment_still_setting_judging_is_told_what_changed():
+    import subprocess
+    import sys
+
+    from tests.service.harness import REPO
+
+    env = {"PATH": "/usr/bin:/bin", "ATTENTION_MONITOR_JUDGING": "instance"}
+    done = subprocess.run([sys.executable, "-m", "monitor", "check-config"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert "ATTENTION_MONITOR_JUDGING (here 'instance') was removed" in done.stderr, done.stderr
+    assert "judged in one place whatever the number of instances" in done.stderr

@@ -34,15 +34,13 @@ class Clock:
 def make_pipeline():
     made = []
 
-    def make(clock=None, judging="instance"):
+    def make(clock=None):
         contracts = ContractTable()
         contracts.add(CONTRACT)
-        measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000,
-                                           judges=judging == "instance"), 0)
+        measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000), 0)
         measuring.sync_contracts(contracts)
         registry = CollectorRegistry()
-        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock(),
-                        judging=judging)
+        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock())
         made.append((pipe, measuring))
         return pipe, registry
 
@@ -146,11 +144,11 @@ def test_mass_faults_are_rejected_from_the_metrics_pass_with_decodes_reasons(mak
         assert registry.get_sample_value("attention_monitor_traces_rejected_total", {"reason": reason}) == 1
 
 
-def test_fleet_judging_forwards_joined_traces_and_judges_the_records_it_is_given(make_pipeline):
-    """JUDGING=fleet: a trace leaves for its judge once joined, with its outcome, one
-    record per judge key; the records given to the judge are judged; one it cannot read
-    is dead-lettered and counted, and its partition moves on."""
-    pipe, registry = make_pipeline(judging="fleet")
+def test_joined_traces_leave_for_their_judge_and_the_records_given_to_the_judge_are_judged(make_pipeline):
+    """A trace leaves for its judge once joined, with its outcome, one record per judge
+    key; the records given to the judge are judged; one it cannot read is dead-lettered
+    and counted, and its partition moves on."""
+    pipe, registry = make_pipeline()
     traces = [Record(TRACES, 0, i, b"k", make_record(i, request_id=f"req-{i}")) for i in range(3)]
     outcomes = [Record(OUTCOMES, 0, i, b"k", json.dumps({"request_id": f"req-{i}", "outcome": o}).encode())
                 for i, o in enumerate(("success", "failure"))]

@@ -144,7 +144,7 @@ def test_a_pin_kept_only_in_the_saved_state_routes_the_canary_to_its_reference_r
     no reference and judge nothing."""
     topics = make_topics(make_topic)
     publish_contracts(kafka_broker.bootstrap, topics, [HEALTHY.contract(), NEXT.contract()])
-    env = monitor_env(kafka_broker.bootstrap, topics, f"saved-pin-{tmp_path.name}", tmp_path, judging="fleet",
+    env = monitor_env(kafka_broker.bootstrap, topics, f"saved-pin-{tmp_path.name}", tmp_path,
                       measure_processes=0)
     first = Monitor({**env, "ATTENTION_MONITOR_REFERENCE_PINS": "scenario-lm@rev-2=rev-1"}, tmp_path / "first.log")
     try:

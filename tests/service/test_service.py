@@ -175,9 +175,12 @@ def test_sigterm_finishes_flushes_commits_and_exits_zero(kafka_broker, stack, pr
     assert ("MEASURE_PROCESSES=0 measures in a thread" in log) == (processes == 0)
     # A restart starts from the saved references and learns on from there.
     again = start(f"monitor-again-{processes}", measure_processes=processes)
-    send_traces(kafka_broker.bootstrap, topics.traces, healthy(10, 0, start=20))
-    measured = series("attention_traces_total", layer=0, model="test-model", revision="rev-1")
-    wait_for(lambda: again.value(measured) == 10, timeout=30, what="10 more traces measured after the restart")
+    more = healthy(10, 0, start=20)  # joined to their outcomes: a trace is judged once joined
+    send_traces(kafka_broker.bootstrap, topics.traces, more)
+    send_outcomes(kafka_broker.bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in more})
+    joined = series("attention_trace_outcomes_total", layer=0, model="test-model", outcome="success",
+                    revision="rev-1")
+    wait_for(lambda: again.value(joined) == 10, timeout=30, what="10 more traces joined after the restart")
     again.process.proc.send_signal(signal.SIGTERM)
     assert again.process.proc.wait(30) == 0
     assert reference_counts(again) == [30]
