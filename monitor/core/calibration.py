@@ -22,10 +22,26 @@ Page thresholds
     streams' correlation) gives each stream ``ARL = S · rate · 604800 / B``. Adding
     layers or heads adds streams and raises every stream's threshold, so the revision's
     expected false pages stay at ``B`` a week.
+
+    :func:`page_threshold` turns that run length into the threshold ``h``, correcting for
+    the reference's estimation error. A reference learnt from ``n`` traces predicts each
+    stream's mean with an error of about ``1/√n`` of its deviation, a different error for
+    every stream and fixed as long as the reference judges (measured by replaying 120,000
+    healthy requests of two corpora: the standardised streams' means spread with a
+    standard deviation of 0.05–0.09 at ``n = 200``; ``benchmarks/false_pages.py``). A
+    stream whose mean is off by ``b`` feeds its CUSUM increments of mean ``b − k``, not
+    ``−k``, and its run length shrinks exponentially with ``b``: a threshold from the
+    unbiased model (Siegmund's, ``h ≈ 20.4`` for 366 streams at one request a second) let
+    the replay's most biased streams reach it, nine crossings in 358,800 requests where
+    the budget allows 0.03. So ``h`` is the threshold whose false-alarm rate *averaged
+    over that error*, ``E_b[1 / ARL(h; b − k)]`` with ``b ~ N(0, 1/n)`` (Siegmund's
+    approximation for drift ``b − k``), is ``1 / ARL``: 26.5 for those 366 streams. The
+    detector does not use it yet (docs/detection.md says why and what it changes).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -84,3 +100,64 @@ def page_arl(streams: int, rate: float | None, budget_per_week: float) -> float:
     if budget_per_week <= 0:
         raise ValueError("the false-page budget must be positive")
     return max(streams, 1) * max(rate or 0.0, RATE_FLOOR) * WEEK_S / budget_per_week
+
+
+def cusum_run_length(h: float, drift: float) -> float:
+    """Siegmund's in-control ARL of a one-sided CUSUM with threshold ``h`` whose
+    increments have unit variance and mean ``drift`` (``−k`` for an unbiased reference):
+    ``(e^{−2μb} + 2μb − 1) / 2μ²`` with ``b = h + 1.166``; returned as its logarithm
+    (the run lengths here exceed any float)."""
+    b = h + 1.166
+    if abs(drift) < 1e-12:
+        return 2 * math.log(b)
+    a = -2 * drift * b
+    if a > 40:  # e^a dominates
+        return a - math.log(2 * drift * drift)
+    return math.log((math.exp(a) - a - 1) / (2 * drift * drift))
+
+
+#: Gauss–Hermite nodes and weights (probabilists'), for expectations over a normal error
+_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(81)
+_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
+
+
+def false_alarm_rate(h: float, k: float, reference_traces: int) -> float:
+    """Expected false alarms per observation of a stream judged against a reference of
+    ``reference_traces`` traces: ``E_b[1 / ARL(h; b − k)]``, ``b ~ N(0, 1/n)``."""
+    tau = 1.0 / math.sqrt(max(reference_traces, 1))
+    return float(sum(w * math.exp(-cusum_run_length(h, tau * x - k)) for x, w in zip(_NODES, _WEIGHTS,
+                                                                                    strict=True)))
+
+
+#: the page threshold is at most this many times the unbiased model's (a reference too
+#: small for its budget then pages somewhat more often than the budget, never not at all)
+MAX_CORRECTION = 2.0
+
+
+@functools.lru_cache(maxsize=256)
+def page_threshold(arl: float, k: float, reference_traces: int) -> float:
+    """``h`` whose expected false-alarm rate over the reference's estimation error
+    (:func:`false_alarm_rate`) is ``1 / arl`` (see the module documentation), between
+    the unbiased model's threshold and ``MAX_CORRECTION`` times it."""
+    if arl <= 1 or k <= 0:
+        raise ValueError("arl must exceed 1 and k must be positive")
+    lo = unbiased = _unbiased_threshold(arl, k)
+    hi = MAX_CORRECTION * unbiased
+    if false_alarm_rate(hi, k, reference_traces) > 1 / arl:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if false_alarm_rate(mid, k, reference_traces) > 1 / arl else (lo, mid)
+    return hi
+
+
+def _unbiased_threshold(arl: float, k: float) -> float:
+    """Siegmund's threshold for drift ``−k`` (the detector's ``cusum_threshold``)."""
+    target = math.log(arl)
+    lo, hi = 0.0, 1.0
+    while cusum_run_length(hi, -k) < target:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cusum_run_length(mid, -k) < target else (lo, mid)
+    return hi

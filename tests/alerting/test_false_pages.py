@@ -39,5 +39,22 @@ def test_a_short_capture_of_real_text_replays_with_no_finding(tmp_path):
     assert run.judged == 30 and run.layer_traces == 180
     assert (run.findings, run.page_crossings) == (0, 0) and 0 < run.worst < 1
     lines: list[str] = []
-    summary = report([run], 0.5, log=lines.append)
+    summary = report([run], 0.5, 200, log=lines.append)
     assert summary["requests"] == 30 and any("crossings per stream-trace" in line for line in lines)
+
+
+def test_the_threshold_corrected_for_the_references_estimation_error():
+    """With no estimation error it is Siegmund's; with the error of a 200-trace reference
+    (b ~ N(0, 1/200) in standardised units) the 366 streams of all-MiniLM-L6-v2 at one
+    request a second need 26.5 instead of 20.4 (the replay's figure); larger budgets and
+    smaller references need more, at most twice the uncorrected threshold."""
+    from monitor.core.calibration import MAX_CORRECTION, false_alarm_rate, page_arl, page_threshold
+    from monitor.core.detect import cusum_threshold
+
+    arl = page_arl(366, 1.0, 0.05)
+    assert page_threshold(arl, 0.5, 10**12) == pytest.approx(cusum_threshold(arl, 0.5), abs=0.01)
+    corrected = page_threshold(arl, 0.5, 200)
+    assert corrected == pytest.approx(26.5, abs=0.1)
+    assert false_alarm_rate(corrected, 0.5, 200) == pytest.approx(1 / arl, rel=1e-3)
+    assert page_threshold(page_arl(3864, 100.0, 0.05), 0.5, 200) > corrected
+    assert page_threshold(arl, 0.5, 30) == pytest.approx(MAX_CORRECTION * cusum_threshold(arl, 0.5), rel=1e-6)

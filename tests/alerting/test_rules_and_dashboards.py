@@ -148,7 +148,7 @@ def test_a_page_leaves_within_30_s_of_its_evidence_with_the_shipped_configuratio
     for rule in group["rules"]:
         if rule.get("labels", {}).get("severity") == "critical":
             worst = scrape + evaluation + seconds(rule["for"]) + group_wait
-            assert worst <= 25, (rule["alert"], scrape, evaluation, rule["for"], group_wait)
+            assert worst <= 15, (rule["alert"], scrape, evaluation, rule["for"], group_wait)
             # a scrape gap (a restart, a moved judge) must not resolve the page and page again
             assert seconds(rule["keep_firing_for"]) >= 4 * scrape, rule["alert"]
 

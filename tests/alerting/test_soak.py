@@ -1,6 +1,6 @@
 """The short version of the healthy soak (benchmarks/soak.py): a real checkpoint on real
 text of realistic lengths, through the broker, the service with its defaults, the shipped
-rules in Prometheus (scraping the monitor every 10 s, as shipped) and the shipped page
+rules in Prometheus (scraping the monitor every 5 s, as shipped) and the shipped page
 route in Alertmanager. Healthy traffic pages nothing; three heads of layer 4 copying a
 fourth page once, within 30 s of the evidence crossing the page threshold and 45 s of the
 fault's first request at 0.5 requests/s, and every surface (the incident record, the

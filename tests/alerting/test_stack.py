@@ -5,7 +5,7 @@ repository's config) → a webhook.
 Traffic is realistic (monitor.tools.scenario): a reference revision, then healthy
 traffic judged by it, then two faulty revisions pinned to it at 0.5 requests/s each, one
 whose layer 2 collapses (four heads onto one pattern), one whose head 3 of layer 1
-becomes an attention sink. Prometheus scrapes the monitor every 10 s and evaluates the
+becomes an attention sink. Prometheus scrapes the monitor every 5 s and evaluates the
 anomaly rules every 5 s, as shipped, and Alertmanager's page route waits as shipped
 (devstack shortens only the other intervals and routes).
 """
@@ -212,7 +212,7 @@ def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two
                            if a["labels"]["alertname"] == "AttentionLowHeadDiversity")
     opened = incidents[("rev-2", 2, "diversity")]
     print(f"the collapse paged {paged_at - opened['at']:.1f} s after its evidence crossed the page threshold")
-    assert paged_at - opened["at"] < 30  # 10 s scrape + 5 s evaluation + 5 s group_wait, no `for:`
+    assert paged_at - opened["at"] < 30  # 5 s scrape + 5 s evaluation + 5 s group_wait, no `for:`
     assert alert["labels"]["layer"] == "2" and alert["labels"]["severity"] == "critical"
     assert "not an automatic pruning command" in alert["annotations"]["policy"]
     assert alert["annotations"]["runbook_url"].endswith("AttentionLowHeadDiversity.md")
@@ -229,8 +229,8 @@ def test_healthy_traffic_raises_no_incident_and_each_fault_pages_once_within_two
     for path in sorted((REPO / "dashboards").glob("*.json")):
         for panel in json.loads(path.read_text())["panels"]:
             for target in panel["targets"]:
-                # Grafana's $__rate_interval: four scrape intervals of the monitor (10 s)
-                expr = (target["expr"].replace("$__rate_interval", "40s").replace("$model", "scenario-lm")
+                # Grafana's $__rate_interval: at least four scrape intervals of the monitor (5 s)
+                expr = (target["expr"].replace("$__rate_interval", "20s").replace("$model", "scenario-lm")
                         .replace("$revision", "rev-2").replace("$layer", ".*"))
                 if not prom.query(expr):
                     empty.append(f"{path.name}: {panel['title']}: {target['expr']}")
