@@ -86,3 +86,27 @@ def test_dropping_partitions_forgets_their_requests_and_unwritten_changes():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="positive"):
         PendingOutcomes(window=0, max_requests=1)
+
+
+def test_deltas_travel_as_records_and_rebuild_the_same_table():
+    from monitor.errors import TraceRejected
+    from monitor.protocol import pending
+
+    table = PendingOutcomes(window=50, max_requests=20_000)
+    for n in range(12_000):
+        table.add(f"r{n}", "m", "canary" if n % 2 else "healthy", "healthy", n % 3, 4, at=float(n) / 100)
+    first = table.take_deltas()[4]
+    for n in range(0, 12_000, 2):
+        table.settle(f"r{n}")
+    table.add("r0", "m", "healthy", "healthy", 1, 4, at=130.0)  # settled, then traced again
+    second = table.take_deltas()[4]
+    values = [*pending.encode(first), *pending.encode(second)]
+    assert len(values) == 3 + 2 + 1 and all(len(v) < 1024 * 1024 for v in values)
+    rebuilt = PendingOutcomes(window=50, max_requests=20_000)
+    for value in values:
+        rebuilt.apply(pending.decode(value, 4))
+    assert {r: (e.layers, e.revision, e.at) for r, e in rebuilt._requests.items()} == \
+        {r: (e.layers, e.revision, e.at) for r, e in table._requests.items()}
+    assert rebuilt.settle("r1").deadline == pytest.approx(50.01) and rebuilt.settle("r0").layers == (1,)
+    with pytest.raises(TraceRejected, match="pending outcomes record"):
+        pending.decode(b'{"schema": "attention-pending/1", "opened": [["m"]], "closed": []}', 4)
