@@ -26,6 +26,7 @@ RANKS: list[set[str]] = [
     {"protocol.wire", "protocol.schema", "protocol.model_contract", "protocol.decisions", "measuring.ring",
      "service.retry"},
     {"protocol.access", "protocol.dead_letter", "protocol.findings", "protocol.observations", "protocol.judge_state",
+     "protocol.pending",
      "protocol.contract_derivation", "triage",
      "study", "service.exporter", "service.http", "service.assignment", "service.pins"},
     {"protocol.codec"},

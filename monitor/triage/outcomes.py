@@ -69,12 +69,7 @@ class Contrast:
     @property
     def difference(self) -> tuple[float, float, float] | None:
         """Rate difference (group − baseline) with Newcombe's hybrid score interval."""
-        if self.baseline is None or not self.group.rate.joined or not self.baseline.rate.joined:
-            return None
-        a, b = self.group.rate, self.baseline.rate
-        (l1, u1), (l2, u2) = a.interval, b.interval
-        d = a.value - b.value
-        return d, d - math.hypot(a.value - l1, u2 - b.value), d + math.hypot(u1 - a.value, b.value - l2)
+        return None if self.baseline is None else difference(self.group.rate, self.baseline.rate)
 
 
 @dataclass(frozen=True)
@@ -102,6 +97,15 @@ def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     center = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
     return max(0.0, center - half), min(1.0, center + half)
+
+
+def difference(a: Rate, b: Rate) -> tuple[float, float, float] | None:
+    """``a − b`` with Newcombe's hybrid score 95 % interval (None when either is empty)."""
+    if not a.joined or not b.joined:
+        return None
+    (l1, u1), (l2, u2) = a.interval, b.interval
+    d = a.value - b.value
+    return d, d - math.hypot(a.value - l1, u2 - b.value), d + math.hypot(u1 - a.value, b.value - l2)
 
 
 def late_outcomes(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -216,7 +220,7 @@ def describe(outcomes: Outcomes | None) -> list[str]:
         lines.append(f"outcomes, {answer} ({contrast.question.lower()[:-1]}?):")
         for group in (contrast.group, contrast.baseline):
             if group is not None:
-                lines.append(f"  {group.name}: {_rate_text(group)}")
+                lines.append(f"  {group.name}: {rate_text(group)}")
         if contrast.baseline is None and contrast is outcomes.revision:
             lines.append("  no reference revision's counts in the records (the revision judges itself, or they "
                          "predate them)")
@@ -233,7 +237,8 @@ def describe(outcomes: Outcomes | None) -> list[str]:
     return lines
 
 
-def _rate_text(group: Group) -> str:
+def rate_text(group: Group) -> str:
+    """A group's failure rate with its interval, and its traces awaiting or without an outcome."""
     rate = group.rate
     if not rate.joined:
         text = "no outcome yet"
