@@ -7,7 +7,11 @@ traced layer, so an outcome stays to meet them all). Adding never expires anythi
 :meth:`JoinBuffer.expire`, with a watermark the caller trusts, does — so a backlog whose
 outcomes are read far ahead of their traces joins as live traffic would. The buffer holds at most ``max_entries``
 traces plus outcomes: beyond that the oldest entry is evicted (a trace leaves with
-``missing``), and evictions are counted by cause (``ttl``, ``capacity``).
+``missing``), and evictions are counted by cause (``ttl``, ``capacity``). An outcome
+that leaves having met no trace is counted in :attr:`JoinBuffer.unmatched`.
+
+An outcome is any value (a word, or a richer value with a label and a score); a
+trace that leaves without one leaves with ``left_without`` (``missing`` by default).
 
 For at-least-once delivery the buffer tells, per partition, the smallest offset still
 waiting: a consumer must not commit past it, or a crash would lose the wait. It keeps a
@@ -21,7 +25,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 MISSING = "missing"
@@ -30,7 +34,7 @@ MISSING = "missing"
 @dataclass(frozen=True)
 class Joined(Generic[T]):
     item: T
-    outcome: str
+    outcome: Any  #: the outcome's value (any: a word, or one with a label and a score)
     partition: int
     offset: int
 
@@ -42,15 +46,19 @@ class _Entry(Generic[T]):
     offset: int
     deadline: float
     item: T | None = None  # a trace's payload
-    outcome: str | None = None  # an outcome's value
+    outcome: Any = None  # an outcome's value
+    met: bool = False  # an outcome that met a trace (or was taken elsewhere)
 
 
 class JoinBuffer(Generic[T]):
-    def __init__(self, ttl: float, max_entries: int):
+    def __init__(self, ttl: float, max_entries: int, left_without: Any = MISSING):
         if ttl <= 0 or max_entries <= 0:
             raise ValueError("ttl and max_entries must be positive")
         self.ttl = ttl
         self.max_entries = max_entries
+        self.left_without = left_without
+        #: outcomes that left having met no trace (and were not taken elsewhere: ``add_outcome(met=True)``)
+        self.unmatched = 0
         self._entries: OrderedDict[int, _Entry[T]] = OrderedDict()  # insertion order = deadline order
         self._traces: dict[str, set[int]] = {}
         self._outcomes: dict[str, int] = {}
@@ -70,26 +78,30 @@ class JoinBuffer(Generic[T]):
         """A processed trace; joined at once if its outcome is here."""
         seq = self._outcomes.get(request_id)
         if seq is not None:
-            outcome = self._entries[seq].outcome
-            assert outcome is not None
-            return [Joined(item, outcome, partition, offset)]
+            entry = self._entries[seq]
+            assert entry.outcome is not None
+            entry.met = True
+            return [Joined(item, entry.outcome, partition, offset)]
         out = self._make_room(now)
         self._put(_Entry(request_id, partition, offset, now + self.ttl, item=item))
         self._traces.setdefault(request_id, set()).add(self._seq)
         return out
 
-    def add_outcome(self, request_id: str, outcome: str, partition: int, offset: int, now: float) -> list[Joined[T]]:
-        """An outcome; joins every trace of the request waiting here, then waits for more."""
+    def add_outcome(self, request_id: str, outcome: Any, partition: int, offset: int, now: float,
+                    met: bool = False) -> list[Joined[T]]:
+        """An outcome; joins every trace of the request waiting here, then waits for more
+        (``met``: it was taken elsewhere already, so it does not count as unmatched)."""
         joined = []
         for seq in sorted(self._traces.pop(request_id, ())):
             entry = self._entries.pop(seq)
             assert entry.item is not None
             joined.append(Joined(entry.item, outcome, entry.partition, entry.offset))
+        met = met or bool(joined)
         old = self._outcomes.pop(request_id, None)
         if old is not None:
-            del self._entries[old]
+            met = met or self._entries.pop(old).met  # replaced: the request's outcome, counted once
         joined += self._make_room(now)
-        self._put(_Entry(request_id, partition, offset, now + self.ttl, outcome=outcome))
+        self._put(_Entry(request_id, partition, offset, now + self.ttl, outcome=outcome, met=met))
         self._outcomes[request_id] = self._seq
         return joined
 
@@ -141,8 +153,9 @@ class JoinBuffer(Generic[T]):
         entry = self._remove(seq)
         self.evictions[cause] += 1
         if entry.item is None:
+            self.unmatched += not entry.met
             return []
-        return [Joined(entry.item, MISSING, entry.partition, entry.offset)]
+        return [Joined(entry.item, self.left_without, entry.partition, entry.offset)]
 
     def _remove(self, seq: int) -> _Entry[T]:
         entry = self._entries.pop(seq)

@@ -79,3 +79,16 @@ def test_oldest_offsets_match_a_scan_of_what_is_waiting_through_any_sequence_of_
             table = scan[0] if kind == "trace" else scan[1]
             table[partition] = min(offset, table.get(partition, offset))
         assert buf.oldest_offsets() == scan, step
+
+
+def test_outcomes_that_meet_no_trace_are_counted_once_and_any_outcome_value_travels():
+    buf: JoinBuffer[str] = JoinBuffer(ttl=10, max_entries=100, left_without=("pending", ""))
+    buf.add_outcome("never-traced", ("failure", "thumbs_down"), 0, 1, now=0)
+    buf.add_outcome("taken", ("success", ""), 0, 2, now=0, met=True)  # settled elsewhere (a late outcome)
+    buf.add_trace("r", "t", 0, 3, now=0)
+    assert [j.outcome for j in buf.add_outcome("r", ("failure", "regenerate"), 0, 4, now=1)] == [
+        ("failure", "regenerate")]
+    buf.add_outcome("r", ("failure", "again"), 0, 5, now=2)  # a duplicate replaces it: met already
+    buf.add_trace("late-trace", "t2", 0, 6, now=3)
+    assert [(j.item, j.outcome) for j in buf.expire(now=100)] == [("t2", ("pending", ""))]
+    assert buf.unmatched == 1
