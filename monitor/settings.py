@@ -17,7 +17,7 @@ from monitor.core.detect import DetectorConfig
 from monitor.errors import ConfigurationError
 from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits
-from monitor.protocol.topics import DEFAULT, Topics
+from monitor.protocol.topics import DEFAULT, OUTCOME_WINDOW_S, Topics
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     references_topic: str = DEFAULT.references
     observations_topic: str = DEFAULT.observations
     judge_state_topic: str = DEFAULT.judge_state
+    pending_topic: str = DEFAULT.pending
     batch_max_records: int = Field(500, gt=0)
     fetch_partition_bytes: int = Field(2 * 1024 * 1024, gt=0, description="fetch size per partition (memory bound)")
     poll_timeout_ms: int = Field(500, gt=0)
@@ -92,6 +93,12 @@ class Settings(BaseSettings):
                                     "anomaly of its family on its layer")
     join_ttl_s: float = Field(30.0, gt=0)
     join_max_entries: int = Field(200_000, gt=0)
+    outcome_window_s: float = Field(OUTCOME_WINDOW_S, gt=0, description="how long after its request's first trace "
+                                    "an outcome is still attributed (one that comes after the join window counts "
+                                    "late); past it the request counts missing")
+    outcome_max_requests: int = Field(250_000, gt=0, description="requests awaiting their outcome past the join "
+                                      "window, at most, per instance (about 400 bytes each: 100 MB by default); "
+                                      "beyond, the oldest counts missing")
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")
     state_save_interval_s: float = Field(30.0, ge=0, description="how often reference state is saved, and "
@@ -196,7 +203,7 @@ class Settings(BaseSettings):
     def topics(self) -> Topics:
         return Topics(self.traces_topic, self.outcomes_topic, self.contracts_topic, self.anomalies_topic,
                       self.dead_letter_topic, self.references_topic, self.observations_topic,
-                      self.judge_state_topic)
+                      self.judge_state_topic, self.pending_topic)
 
     def scopes(self) -> ScopePolicy:
         if not self.allowed_scopes:

@@ -31,7 +31,7 @@ RANKS: list[set[str]] = [
      "study", "service.exporter", "service.http", "service.assignment", "service.pins"},
     {"protocol.codec"},
     {"broker", "measuring.measurer"},
-    {"settings", "measuring.child", "service.join", "service.findings"},
+    {"settings", "measuring.child", "service.join", "service.findings", "service.late"},
     {"measuring.judge"},
     {"measuring.workers"},
     {"service.fleet", "service.state_file"},

@@ -35,7 +35,8 @@ def grants(role: str, topics: Topics, group_id: str) -> list[tuple[ResourceType,
             *((ResourceType.TOPIC, t, False, [READ, DESCRIBE])
               for t in (topics.traces, topics.outcomes, topics.contracts, topics.references)),
             *((ResourceType.TOPIC, t, False, [READ, WRITE, DESCRIBE])
-              for t in (topics.anomalies, topics.dead_letter, topics.observations, topics.judge_state)),
+              for t in (topics.anomalies, topics.dead_letter, topics.observations, topics.judge_state,
+                        topics.pending)),
             (ResourceType.GROUP, group_id, False, [READ]),
             (ResourceType.TRANSACTIONAL_ID, f"{group_id}-", True, [WRITE, DESCRIBE]),
         ]

@@ -28,14 +28,16 @@ def topics_create(
 ) -> None:
     """Create the monitor's topics on the broker of ATTENTION_MONITOR_BOOTSTRAP_SERVERS,
     with their configured names: traces, outcomes, anomalies (same partition count, so a
-    trace and its outcome meet in one instance), compacted contracts, dead letters.
+    trace and its outcome meet in one instance), compacted contracts, dead letters, and
+    the internal observations, judge state and pending outcomes (kept a day longer than
+    OUTCOME_WINDOW_S).
     Topics that already exist are left as they are. Exits 3 when the broker refuses."""
     from monitor.broker.admin import create_topics
     from monitor.errors import InfrastructureError
     from monitor.protocol.topics import layout
 
     settings = load_settings()
-    specs = layout(settings.topics(), partitions)
+    specs = layout(settings.topics(), partitions, settings.outcome_window_s)
     try:
         done = create_topics(settings.kafka_connection(), specs, replication_factor, settings.startup_timeout_s)
     except InfrastructureError as exc:

@@ -98,8 +98,8 @@ class JoinBuffer(Generic[T]):
             joined.append(Joined(entry.item, outcome, entry.partition, entry.offset))
         met = met or bool(joined)
         old = self._outcomes.pop(request_id, None)
-        if old is not None:
-            met = met or self._entries.pop(old).met  # replaced: the request's outcome, counted once
+        if old is not None:  # replaced: it leaves, unmatched unless it met a trace
+            self.unmatched += not self._entries.pop(old).met
         joined += self._make_room(now)
         self._put(_Entry(request_id, partition, offset, now + self.ttl, outcome=outcome, met=met))
         self._outcomes[request_id] = self._seq

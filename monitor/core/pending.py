@@ -13,7 +13,10 @@ finds nothing.
 
 Every change is also kept as a :class:`Delta` per partition until taken
 (:meth:`take_deltas`), so that the caller can write it with the offsets it commits and a
-new owner of the partition can rebuild the table (:meth:`apply`).
+new owner of the partition can rebuild the table (:meth:`apply`, then :meth:`forget`).
+Requests whose window closed are not listed one by one: a delta says the event time
+through which every window closed (``through``), which is all a rebuild needs, so that
+the deltas stay few (new requests, and the few that settle or are pushed out).
 
 Memory: about 400 bytes per request with a 36-character request id and up to four
 layers (``docs/delivery.md`` has the measurement), so ``max_requests`` = 250,000 is about
@@ -22,6 +25,8 @@ layers (``docs/delivery.md`` has the measurement), so ``max_requests`` = 250,000
 
 from __future__ import annotations
 
+import heapq
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -51,10 +56,13 @@ class Delta:
     requests added or given a layer (their whole entry) and requests that left."""
 
     opened: dict[str, Pending] = field(default_factory=dict)
-    closed: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)  #: settled, or pushed out (not those whose window closed)
+    #: every request whose window closed by this event time left (set when taken)
+    through: float = -math.inf
+    expired: int = 0  #: requests whose window closed since the last delta (not listed)
 
     def __bool__(self) -> bool:
-        return bool(self.opened or self.closed)
+        return bool(self.opened or self.closed or self.expired)
 
 
 class PendingOutcomes:
@@ -63,7 +71,9 @@ class PendingOutcomes:
             raise ValueError("window and max_requests must be positive")
         self.window = window
         self.max_requests = max_requests
-        self._requests: OrderedDict[str, Pending] = OrderedDict()  #: by ``at``, oldest first
+        self._requests: OrderedDict[str, Pending] = OrderedDict()  #: in arrival order, oldest first
+        self._deadlines: list[tuple[float, int, Pending]] = []  #: a heap; entries that left are skipped
+        self._seq = 0
         self._deltas: dict[int, Delta] = {}
         self._interned: dict[str, str] = {}
         #: requests that left without an outcome, by cause: ``window`` closed, ``capacity``
@@ -74,6 +84,13 @@ class PendingOutcomes:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
+
+    def get(self, request_id: str) -> Pending | None:
+        return self._requests.get(request_id)
+
+    def requests(self) -> list[Pending]:
+        """Every request waiting, oldest first."""
+        return list(self._requests.values())
 
     def add(self, request_id: str, model_id: str, revision: str, judged_by: str, layer: int, partition: int,
             at: float) -> list[Pending]:
@@ -88,7 +105,7 @@ class PendingOutcomes:
             return []
         out = []
         while len(self._requests) >= self.max_requests:
-            out.append(self._leave(next(iter(self._requests)), "capacity"))
+            out.append(self._leave(next(iter(self._requests)), "capacity", said=True))
         entry = Pending(request_id, self._intern(model_id), self._intern(revision), self._intern(judged_by),
                         (layer,), partition, at, at + self.window)
         self._insert(entry)
@@ -100,39 +117,42 @@ class PendingOutcomes:
         never traced, already settled or expired)."""
         if request_id not in self._requests:
             return None
-        return self._leave(request_id, None)
+        return self._leave(request_id, None, said=True)
 
     def expire(self, now: float) -> list[Pending]:
-        """Requests whose window closed by event time ``now``: their outcome is missing."""
+        """Requests whose window closed by event time ``now``: their outcome is missing.
+        Not said in the deltas one by one: the next :meth:`take_deltas` says ``now``."""
         out = []
-        while self._requests:
-            request_id, entry = next(iter(self._requests.items()))
-            if entry.deadline > now:
-                break
-            out.append(self._leave(request_id, "window"))
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, entry = heapq.heappop(self._deadlines)
+            if self._requests.get(entry.request_id) is entry:
+                out.append(self._leave(entry.request_id, "window", said=False))
+                self._delta(entry.partition).expired += 1
         return out
 
-    def drop_partitions(self, partitions: Iterable[int]) -> int:
+    def drop_partitions(self, partitions: Iterable[int]) -> list[Pending]:
         """Forget the requests of partitions no longer owned here (their new owner rebuilds
-        them, :meth:`apply`); returns how many went."""
+        them, :meth:`apply`); returns them."""
         gone = set(partitions)
         doomed = [r for r, e in self._requests.items() if e.partition in gone]
-        for request_id in doomed:
-            del self._requests[request_id]
         for partition in gone:
             self._deltas.pop(partition, None)
-        return len(doomed)
+        return [self._requests.pop(request_id) for request_id in doomed]
 
-    def take_deltas(self) -> dict[int, Delta]:
-        """The changes since last asked, per partition (then forgotten here)."""
+    def take_deltas(self, expired_through: float) -> dict[int, Delta]:
+        """The changes since last asked, per partition (then forgotten here), each saying
+        that every request of its partition whose window closed by ``expired_through``
+        left (call :meth:`expire` with it first)."""
         deltas, self._deltas = {p: d for p, d in self._deltas.items() if d}, {}
         for delta in deltas.values():
+            delta.through = expired_through
             for entry in delta.opened.values():
                 entry.written = True
         return deltas
 
     def apply(self, delta: Delta) -> None:
-        """Rebuild: a delta written earlier (in the order written). Records no change."""
+        """Rebuild: a delta written earlier (in the order written). Records no change;
+        call :meth:`forget` after the last one."""
         for request_id in delta.closed:
             self._requests.pop(request_id, None)
         for request_id, entry in delta.opened.items():
@@ -141,19 +161,33 @@ class PendingOutcomes:
                                  self._intern(entry.judged_by), entry.layers, entry.partition, entry.at,
                                  entry.at + self.window, written=True))
 
-    def _insert(self, entry: Pending) -> None:
-        """In arrival order, which is nearly event-time order (a partition is read in
-        order): :meth:`expire` stops at the first request still in its window, so one
-        read out of order leaves no earlier than its deadline, but maybe later."""
-        self._requests[entry.request_id] = entry
+    def forget(self, through: float) -> int:
+        """After a rebuild: requests whose window had closed by ``through`` (the newest
+        delta's) left where they were written, counted there; they leave here silently.
+        Returns how many."""
+        gone = 0
+        while self._deadlines and self._deadlines[0][0] <= through:
+            _, _, entry = heapq.heappop(self._deadlines)
+            if self._requests.get(entry.request_id) is entry:
+                del self._requests[entry.request_id]
+                gone += 1
+        return gone
 
-    def _leave(self, request_id: str, cause: str | None) -> Pending:
+    def _insert(self, entry: Pending) -> None:
+        self._requests[entry.request_id] = entry
+        self._seq += 1
+        heapq.heappush(self._deadlines, (entry.deadline, self._seq, entry))
+        if len(self._deadlines) > 2 * len(self._requests) + 1024:  # drop the entries that left
+            self._deadlines = [d for d in self._deadlines if self._requests.get(d[2].request_id) is d[2]]
+            heapq.heapify(self._deadlines)
+
+    def _leave(self, request_id: str, cause: str | None, said: bool) -> Pending:
         entry = self._requests.pop(request_id)
         if cause is not None:
             self.evictions[cause] += 1
         delta = self._delta(entry.partition)
         delta.opened.pop(request_id, None)
-        if entry.written:  # a rebuild would bring it back: say it left
+        if entry.written and said:  # a rebuild would bring it back: say it left
             delta.closed.append(request_id)
         return entry
 

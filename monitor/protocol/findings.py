@@ -51,6 +51,33 @@ def anomaly_record(trace: dict[str, Any], anomaly: Anomaly, outcome: str | None,
     }
 
 
+def outcome_record(late: dict[str, Any], reference_revision: str, layers: list[dict[str, Any]],
+                   now: float) -> dict[str, Any]:
+    """The JSON record of an outcome that came after its request's join window
+    (``docs/wire-format.md``): the request (``late``: its id, model, revision, layers, the
+    outcome with its label, score and time, the time of its first trace and where the
+    outcome was read), the revision whose reference judges it, each of its layers with
+    the kinds of its findings and the tallies after this outcome (``layers``), and how
+    late it came."""
+    given, traced = float(late.get("outcome_at") or now), float(late.get("trace_at") or 0.0)
+    return {
+        "schema": "attention-outcome/1",
+        "request_id": late["request_id"],
+        "model_id": late["model_id"],
+        "model_revision": late["model_revision"],
+        "reference_revision": reference_revision,
+        "outcome": late["outcome"],
+        "label": late.get("outcome_label"),
+        "score": late.get("outcome_score"),
+        "given_at": given,
+        "trace_timestamp": traced,
+        "late_by_s": given - traced if traced else None,
+        "layers": layers,
+        "at": now,
+        "source": late["source"],
+    }
+
+
 def measured_on(rows: Any, kind: str) -> str | None:
     """The rows a finding's metric was taken over: ``prompt`` when only rows that see
     nothing but the input (a generation trace's prompt rows, or every row of a trace

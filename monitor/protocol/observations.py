@@ -17,9 +17,15 @@ Value
     the header, then each entry's metrics as little-endian float64, in the header's
     order: entropy, concentration, sink share, prompt mass, learned sink mass (``H``
     each), similarity (``H × H``), diversity and effective heads. The header is
-    ``{"entries": [...]}``, each entry a trace's identity (the fields anomaly records
-    carry), its head ids and its outcome. Prompt and learned sink mass are NaN where the
-    trace says nothing of them, as the measurer leaves them.
+    ``{"entries": [...], "late": [...]}``, each entry a trace's identity (the fields
+    anomaly records carry), its head ids and its outcome (``outcome``: ``success``,
+    ``failure``, ``pending`` when its join window closed without one, ``missing``; with
+    ``outcome_label``, ``outcome_score`` and ``outcome_at`` when given). Prompt and learned
+    sink mass are NaN where the trace says nothing of them, as the measurer leaves them.
+    ``late`` (left out when empty) holds outcomes of requests whose traces were sent
+    earlier as ``pending`` (:class:`LateOutcome`: a late outcome, or ``missing`` when the
+    request's ``OUTCOME_WINDOW_S`` closed), after the entries of the record: a judge
+    takes them after them.
 
 The monitor writes these records itself, in transactions; a record it cannot read is
 still refused with a :class:`~monitor.errors.TraceRejected` (``malformed``) naming what
@@ -38,14 +44,16 @@ from typing import Any
 import numpy as np
 
 from monitor.core.detect import Observation
-from monitor.core.join import MISSING
 from monitor.core.metrics import HeadMetrics
+from monitor.core.outcome import Outcome
 from monitor.errors import RejectReason, TraceRejected
-from monitor.protocol.records import TraceIdentity
-from monitor.protocol.schema import OUTCOMES
+from monitor.protocol.records import Source, TraceIdentity
 
-__all__ = ["MAGIC", "RECORD_BYTES", "VERSION", "Forwarded", "decode", "encode", "encode_within", "judge_key",
-           "parse_key", "read"]
+__all__ = ["MAGIC", "RECORD_BYTES", "VERSION", "Forwarded", "LateOutcome", "decode", "decode_late", "encode",
+           "encode_within", "judge_key", "parse_key", "read"]
+
+#: what an entry's outcome may say
+RESULTS = ("success", "failure", "pending", "missing")
 
 MAGIC = b"AMOB"
 VERSION = 1
@@ -64,7 +72,7 @@ class Forwarded:
     identity: TraceIdentity
     heads: tuple[str, ...]
     metrics: HeadMetrics  #: one trace's metrics (no batch dimension), without row masses
-    outcome: str  #: the task outcome, or ``missing`` when none came within the join's TTL
+    outcome: Outcome  #: the task outcome, or ``pending`` when none came within the join's TTL
     #: the revision whose reference judges it, as its record's key names it (:func:`read`);
     #: None before it is keyed
     judged_by: str | None = None
@@ -74,6 +82,26 @@ class Forwarded:
         i = self.identity
         return Observation(i.model_id, i.model_revision, i.layer, i.key_count, self.heads, self.metrics,
                            i.trace_timestamp, self.judged_by)
+
+
+@dataclass(frozen=True)
+class LateOutcome:
+    """The outcome of a request whose traces left the join without one (``pending``), as
+    its judge receives it: for each of the request's layers traced."""
+
+    request_id: str
+    model_id: str
+    revision: str
+    layers: tuple[int, ...]
+    outcome: Outcome  #: a late outcome, or ``missing``: the request's OUTCOME_WINDOW_S closed
+    trace_at: float  #: event time of the request's first trace
+    source: Source  #: the outcome record it came from (none for ``missing``)
+
+    def fields(self) -> dict[str, Any]:
+        topic, partition, offset = self.source
+        return {"request_id": self.request_id, "model_id": self.model_id, "model_revision": self.revision,
+                "layers": list(self.layers), "trace_at": self.trace_at, **_outcome_fields(self.outcome),
+                "source": {"topic": topic, "partition": partition, "offset": offset}}
 
 
 def judge_key(model_id: str, judged_by: str) -> bytes:
@@ -109,9 +137,11 @@ def encode(entries: Sequence[Forwarded]) -> bytes:
     return value
 
 
-def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES) -> list[bytes]:
+def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES,
+                  late: Sequence[LateOutcome] = ()) -> list[bytes]:
     """``entries`` in order as few record values as hold them within ``limit`` bytes
-    each (one entry alone may exceed it: it still gets a record)."""
+    each (one entry alone may exceed it: it still gets a record); ``late`` outcomes in
+    the last."""
     out: list[bytes] = []
     heads: list[dict[str, Any]] = []
     blocks: list[bytes] = []
@@ -123,7 +153,7 @@ def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES
         values.append(np.asarray(m.similarity, np.float64).reshape(h * h))
         values.append(np.array([float(m.diversity), float(m.effective_heads)]))
         block = np.concatenate(values).astype("<f8").tobytes()
-        head = {**e.identity.fields(), "heads": list(e.heads), "outcome": e.outcome}
+        head = {**e.identity.fields(), "heads": list(e.heads), **_outcome_fields(e.outcome)}
         more = len(block) + len(json.dumps(head, separators=(",", ":"))) + 1
         if limit is not None and heads and size + more > limit:
             out.append(_value(heads, blocks))
@@ -131,14 +161,34 @@ def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES
         heads.append(head)
         blocks.append(block)
         size += more
-    if heads or not out:
-        out.append(_value(heads, blocks))
+    if heads or late or not out:
+        out.append(_value(heads, blocks, [item.fields() for item in late]))
     return out
 
 
-def _value(heads: list[dict[str, Any]], blocks: list[bytes]) -> bytes:
-    text = json.dumps({"entries": heads}, separators=(",", ":")).encode()
+def _value(heads: list[dict[str, Any]], blocks: list[bytes], late: list[dict[str, Any]] | None = None) -> bytes:
+    text = json.dumps({"entries": heads, **({"late": late} if late else {})}, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, len(text)) + text + b"".join(blocks)
+
+
+def _outcome_fields(outcome: Outcome) -> dict[str, Any]:
+    out: dict[str, Any] = {"outcome": outcome.result}
+    if outcome.label is not None:
+        out["outcome_label"] = outcome.label
+    if outcome.score is not None:
+        out["outcome_score"] = outcome.score
+    if outcome.at:
+        out["outcome_at"] = outcome.at
+    return out
+
+
+def _outcome(entry: dict[str, Any]) -> Outcome:
+    result = str(entry["outcome"])
+    if result not in RESULTS:
+        raise _malformed(f"outcome {result!r} is none of {list(RESULTS)}")
+    label, score = entry.get("outcome_label"), entry.get("outcome_score")
+    return Outcome(result, None if label is None else str(label), None if score is None else float(score),
+                   float(entry.get("outcome_at") or 0.0))
 
 
 def decode(value: bytes | memoryview | None) -> list[Forwarded]:
@@ -169,6 +219,29 @@ def decode(value: bytes | memoryview | None) -> list[Forwarded]:
     return out
 
 
+def decode_late(value: bytes | memoryview | None) -> list[LateOutcome]:
+    """The late outcomes of one record's value (after its entries); :class:`TraceRejected`
+    (``malformed``) naming what is wrong when they cannot be read."""
+    data = bytes(value or b"")
+    if len(data) < _PREFIX.size or _PREFIX.unpack_from(data)[0] != MAGIC:
+        raise _malformed("not an observations record")
+    _, _, size = _PREFIX.unpack_from(data)
+    if b'"late":' not in data[_PREFIX.size:_PREFIX.size + size]:
+        return []
+    try:
+        late = json.loads(data[_PREFIX.size:_PREFIX.size + size]).get("late", [])
+        out = []
+        for item in late:
+            source = item["source"]
+            out.append(LateOutcome(str(item["request_id"]), str(item["model_id"]), str(item["model_revision"]),
+                                   tuple(int(layer) for layer in item["layers"]), _outcome(item),
+                                   float(item["trace_at"]),
+                                   (str(source["topic"]), int(source["partition"]), int(source["offset"]))))
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _malformed(f"a late outcome is incomplete: {type(exc).__name__}: {exc}") from exc
+
+
 def _floats(h: int) -> int:
     return len(_PER_HEAD) * h + h * h + 2
 
@@ -192,11 +265,9 @@ def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.fl
             trace_timestamp=float(entry["trace_timestamp"]),
             source=(str(source["topic"]), int(source["partition"]), int(source["offset"])),
             rows=_rows(entry.get("rows")))
-        heads, outcome = tuple(str(head) for head in entry["heads"]), str(entry["outcome"])
+        heads, outcome = tuple(str(head) for head in entry["heads"]), _outcome(entry)
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(f"an entry's identity is incomplete: {type(exc).__name__}: {exc}") from exc
-    if outcome not in (*OUTCOMES, MISSING):
-        raise _malformed(f"outcome {outcome!r} is none of {[*OUTCOMES, MISSING]}")
     per_head = {name: floats[i * h:(i + 1) * h].copy() for i, name in enumerate(_PER_HEAD)}
     rest = floats[len(_PER_HEAD) * h:]
     metrics = HeadMetrics(

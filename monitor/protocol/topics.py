@@ -28,6 +28,10 @@ class Topics:
     #: internal: the judges' state, so that it follows a moved observations partition
     #: (compacted; partition *i* holds the state of the keys of observations partition *i*)
     judge_state: str = "attention-judge-state"
+    #: internal: requests awaiting their outcome past the join, so that a late outcome is
+    #: attributed whoever owns its partition then (partition *i* holds trace partition
+    #: *i*'s; :mod:`monitor.protocol.pending`)
+    pending: str = "attention-pending-outcomes"
 
 
 DEFAULT = Topics()
@@ -40,11 +44,17 @@ class TopicSpec:
     configs: dict[str, str] = field(default_factory=dict)
 
 
-def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
+#: how long an outcome is attributed by default (``OUTCOME_WINDOW_S``): 3 days
+OUTCOME_WINDOW_S = 3 * 24 * 3600.0
+
+
+def layout(topics: Topics = DEFAULT, partitions: int = 12, outcome_window_s: float = OUTCOME_WINDOW_S
+           ) -> list[TopicSpec]:
     """Every topic the monitor reads or writes, as it should be created. ``partitions``
     bounds how many instances share the work (traces, outcomes, anomalies and the
     observations, keyed by judge, get that many; the contracts and references topics are
-    one compacted partition each, read in full by everyone)."""
+    one compacted partition each, read in full by everyone). The pending outcomes keep
+    their records a day longer than ``outcome_window_s`` (``OUTCOME_WINDOW_S``)."""
     if partitions < 1:
         raise ValueError("partitions must be at least 1")
     return [
@@ -57,4 +67,5 @@ def layout(topics: Topics = DEFAULT, partitions: int = 12) -> list[TopicSpec]:
         TopicSpec(topics.observations, partitions),
         TopicSpec(topics.judge_state, partitions, {"cleanup.policy": "compact",
                                                     "max.message.bytes": str(TRACE_RECORD_BYTES)}),
+        TopicSpec(topics.pending, partitions, {"retention.ms": str(int((outcome_window_s + 86400) * 1000))}),
     ]

@@ -127,6 +127,7 @@ class Service:
                 log.warning("%s", warning)
             pipeline = Pipeline(measuring, metrics=self.metrics, topics=self.topics, join_ttl=s.join_ttl_s,
                                 join_max_entries=s.join_max_entries, incident_quiet=s.incident_quiet_s,
+                                outcome_window=s.outcome_window_s, outcome_max_requests=s.outcome_max_requests,
                                 judged_by=self.routing.judge_revision, state_interval=s.state_save_interval_s)
             for topic, table in ((self.topics.contracts, self.contracts), (self.topics.references, self.references)):
                 readers.append(TableReader(kafka, topic, table))
@@ -202,7 +203,7 @@ class Service:
         t = self.topics
         partitions = consumer.check_topics([t.traces, t.outcomes, t.anomalies, t.dead_letter])[t.traces]
         missing = []
-        for topic in (t.observations, t.judge_state):
+        for topic in (t.observations, t.judge_state, t.pending):
             try:
                 consumer.check_topics([topic])
             except InfrastructureError as exc:
@@ -212,7 +213,8 @@ class Service:
         if missing:
             raise InfrastructureError(
                 f"topic{'s' if len(missing) > 1 else ''} {' and '.join(missing)} missing or not describable: every "
-                f"instance judges through {t.observations} and {t.judge_state} (docs/scaling.md). Create them with "
+                f"instance judges through {t.observations} and {t.judge_state} (docs/scaling.md) and keeps the "
+                f"requests whose outcome may come late on {t.pending} (docs/delivery.md). Create them with "
                 f"`attention-monitor topics create --partitions {partitions}` (as many partitions as {t.traces}; "
                 f"topics that exist are left as they are), or grant this principal DESCRIBE on them "
                 f"(`attention-monitor acls apply`)", retriable=False)

@@ -12,7 +12,7 @@ of model ids when configured, otherwise the first ``max_model_revisions`` distin
 (model, revision) pairs — and anything else becomes ``other``/``other`` and counts in
 ``attention_monitor_label_overflow_total``. Layers and heads come from verified model
 contracts. Series per model revision with ``L`` traced layers of ``H`` heads (see
-``docs/metrics.md``; ``_created`` series disabled): ``95·L`` at ``layer`` detail, plus
+``docs/metrics.md``; ``_created`` series disabled): ``96·L`` at ``layer`` detail, plus
 ``27·L·H`` at ``head`` detail; and at most ``H`` heads of each open incident.
 """
 
@@ -28,6 +28,7 @@ from monitor.core.detect import KINDS, Verdict
 from monitor.core.incidents import FAMILIES
 from monitor.core.join import MISSING
 from monitor.core.metrics import HeadMetrics
+from monitor.core.outcome import PENDING as _PENDING
 from monitor.errors import RejectReason
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.schema import OUTCOMES as OUTCOME_WORDS
@@ -38,6 +39,7 @@ EFFECTIVE_HEAD_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 HEAD_BUCKETS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 PROCESSING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 OUTCOMES = (*OUTCOME_WORDS, MISSING)
+PENDING = _PENDING.result
 OTHER = "other"
 
 
@@ -105,8 +107,12 @@ class MonitorMetrics:
         } if self.per_head else {}
         self.anomalies = Counter("attention_anomalies", "Anomalies raised (prompts for investigation, never pruning "
                                  "commands).", [*layer, "kind"], registry=r)
-        self.trace_outcomes = Counter("attention_trace_outcomes", "Joined traces by task outcome (missing: none "
-                                      "within the join TTL).", [*layer, "outcome"], registry=r)
+        self.trace_outcomes = Counter("attention_trace_outcomes", "Traces by task outcome, counted when it is "
+                                      "known: joined, or come late within OUTCOME_WINDOW_S (missing: none by "
+                                      "then).", [*layer, "outcome"], registry=r)
+        self.trace_outcomes_pending = Gauge("attention_trace_outcomes_pending", "Traces whose join window closed "
+                                            "without an outcome, still awaiting one (within OUTCOME_WINDOW_S).",
+                                            layer, registry=r)
         self.anomaly_outcomes = Counter("attention_anomaly_outcomes", "Joined anomalous traces by anomaly kind and "
                                         "task outcome.", [*layer, "kind", "outcome"], registry=r)
         s = "attention_monitor_"
@@ -127,6 +133,16 @@ class MonitorMetrics:
         self.join_entries = Gauge(f"{s}join_entries", "Traces and outcomes waiting in the join buffer.", registry=r)
         self.join_evictions = Counter(f"{s}join_evictions", "Join buffer entries evicted, by reason (ttl, capacity).",
                                       ["reason"], registry=r)
+        self.outcomes_late = Counter(f"{s}outcomes_late", "Outcomes that came after their request's join window "
+                                     "and were attributed to it (within OUTCOME_WINDOW_S).", registry=r)
+        self.outcomes_unmatched = Counter(f"{s}outcomes_unmatched", "Outcome records that met no trace: their "
+                                          "request was not sampled, its outcome was counted already, or it came "
+                                          "after OUTCOME_WINDOW_S.", registry=r)
+        self.pending_requests = Gauge(f"{s}pending_requests", "Requests awaiting their outcome past the join window "
+                                      "(at most OUTCOME_MAX_REQUESTS).", registry=r)
+        self.pending_evictions = Counter(f"{s}pending_evictions", "Requests whose outcome never came, by reason "
+                                         "(window: OUTCOME_WINDOW_S closed; capacity: OUTCOME_MAX_REQUESTS).",
+                                         ["reason"], registry=r)
         self.reference_traces = Gauge("attention_reference_traces", "Traces learnt by the reference that judges "
                                       "the layer (or is learning to).", layer, registry=r)
         self.reference_ready = Gauge("attention_reference_ready", "1 when a ready reference judges the layer's "
@@ -184,6 +200,8 @@ class MonitorMetrics:
                                   registry=r)
         for reason in ("ttl", "capacity"):
             self.join_evictions.labels(reason)
+        for reason in ("window", "capacity"):
+            self.pending_evictions.labels(reason)
         for rejected in RejectReason:  # a closed set: every reason exists from the start, at 0
             self.rejected.labels(rejected.value)
         self.outcomes_rejected.labels(RejectReason.MALFORMED.value)
@@ -260,9 +278,11 @@ class LayerSeries:
         self._heads: dict[str, list[tuple[str, Any]]] = {}
         self.anomalies = {kind: metrics.anomalies.labels(*key, kind) for kind in KINDS}
         self.trace_outcomes = {outcome: metrics.trace_outcomes.labels(*key, outcome) for outcome in OUTCOMES}
-        #: the layer's traces judged here by the outcome they were joined to, since start, as
-        #: anomaly records carry them (the one tally: its judge judges all the fleet's traces)
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.pending = metrics.trace_outcomes_pending.labels(*key)
+        #: the layer's traces judged here by their outcome (``pending`` while it may still
+        #: come), since start, as anomaly records carry them (the one tally: its judge
+        #: judges all the fleet's traces); late outcomes move a trace from ``pending``
+        self.outcomes = dict.fromkeys((*OUTCOMES, PENDING), 0)
         self.anomaly_outcomes = {(kind, outcome): metrics.anomaly_outcomes.labels(*key, kind, outcome)
                                  for kind in KINDS for outcome in OUTCOMES}
         self.reference_traces = metrics.reference_traces.labels(*key)
@@ -348,7 +368,15 @@ class LayerSeries:
 
     def observe_judged(self, outcome: str, kinds: Iterable[str]) -> None:
         """A trace judged here, with the outcome it was joined to and its anomalies' kinds
-        (the tally, and ``attention_anomaly_outcomes``)."""
+        (the tally, and ``attention_anomaly_outcomes`` once the outcome is known)."""
         self.outcomes[outcome] += 1
-        for kind in set(kinds):
-            self.anomaly_outcomes[(kind, outcome)].inc()
+        if outcome != PENDING:
+            for kind in set(kinds):
+                self.anomaly_outcomes[(kind, outcome)].inc()
+
+    def observe_late(self, outcome: str, kinds: Iterable[str]) -> None:
+        """A trace judged here ``pending`` got its outcome late (or ``missing``): the
+        tally moves it, ``attention_anomaly_outcomes`` counts it for ``kinds``."""
+        if self.outcomes[PENDING] > 0:  # judged before this judge started: not in its tally
+            self.outcomes[PENDING] -= 1
+        self.observe_judged(outcome, kinds)

@@ -7,21 +7,31 @@ rebuild its judges' evidence (:attr:`Mode.REPLAYED`). It makes the exporter's up
 (readiness, judging revision, anomaly counts, the layer's outcome tally), the anomaly
 records (``monitor.protocol.findings``) and the incidents, with their records and
 gauges. A new verdict metric is one edit here. An anomaly record carries the outcome
-its trace was joined to where it was measured: a trace reaches its judge joined.
+its trace was joined to where it was measured: a trace reaches its judge joined, or
+``pending`` when its join window closed without one.
+
+An outcome that comes later (:mod:`monitor.service.late`) reaches the same judge after
+the request's traces, through :meth:`Findings.late`: the layers' tallies move it from
+``pending``, ``attention_anomaly_outcomes`` counts it for the findings this judge
+remembers of the request (at most ``OUTCOME_MAX_REQUESTS`` traces' kinds), and it is
+written as its own ``attention-outcome/1`` record with the tallies after it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from monitor.core.detect import Verdict
 from monitor.core.incidents import Change, IncidentTracker
+from monitor.core.outcome import PENDING, Outcome
 from monitor.measuring.measurer import Duplicate, Rejected
-from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record
+from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record, outcome_record
+from monitor.protocol.observations import LateOutcome
 from monitor.protocol.records import Output, Source, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
@@ -42,12 +52,16 @@ class Findings:
     """Verdicts in, exporter updates, anomaly and incident records and incidents out."""
 
     def __init__(self, metrics: MonitorMetrics, topics: Topics, incident_quiet: float,
-                 clock: Callable[[], float], wall_clock: Callable[[], float]):
+                 clock: Callable[[], float], wall_clock: Callable[[], float], awaiting_max: int = 250_000):
         self.metrics, self.topics = metrics, topics
         self.incidents = IncidentTracker(incident_quiet)
         self._clock, self._wall = clock, wall_clock
+        #: the kinds of the findings of traces judged ``pending``, by (request id, layer), for
+        #: their late outcomes: at most ``awaiting_max``, the oldest forgotten first
+        self.awaiting: OrderedDict[tuple[str, int], tuple[str, ...]] = OrderedDict()
+        self._awaiting_max = awaiting_max
 
-    def judged(self, identity: TraceIdentity, verdict: Verdict | Duplicate | Rejected, outcome: str,
+    def judged(self, identity: TraceIdentity, verdict: Verdict | Duplicate | Rejected, outcome: Outcome,
                source: Source, mode: Mode = Mode.FRESH) -> list[Output]:
         """The outputs of one verdict on a trace joined to ``outcome``, read from ``source``."""
         if isinstance(verdict, Duplicate):
@@ -67,16 +81,21 @@ class Findings:
             for kind in kinds:
                 series.observe_anomaly(kind)
             self.metrics.judged_here.inc()
-            series.observe_judged(outcome, kinds)
+            series.observe_judged(outcome.result, kinds)
         if not verdict.anomalies:
             return []
+        if outcome.result == PENDING.result:
+            self._remember(identity.request_id, identity.layer, tuple(kinds))
         now = self._wall()
         if mode is Mode.REPLAYED:  # taken into the incidents silently: the first judge wrote its records
-            docs = [anomaly_record(identity.fields(), a, outcome, now) for a in verdict.anomalies]
+            docs = [anomaly_record(identity.fields(), a, outcome.result, now) for a in verdict.anomalies]
         else:
             evidence = evidence_fields(verdict.evidence)
-            docs = [anomaly_record(identity.fields(), a, outcome, now, evidence, series.outcomes)
-                    for a in verdict.anomalies]
+            reference = self._reference_tally(identity.model_id, identity.model_revision, verdict.judged_by,
+                                              identity.layer)
+            docs = [anomaly_record(identity.fields(), a, outcome.result, now, evidence, series.outcomes,
+                                   reference_outcomes=reference, outcome_label=outcome.label,
+                                   outcome_score=outcome.score) for a in verdict.anomalies]
         changes = self.incidents.observe(identity.model_id, identity.model_revision, identity.layer,
                                          verdict.anomalies, docs, self._clock(), _opened_at(identity, now))
         if mode is Mode.REPLAYED:
@@ -86,6 +105,39 @@ class Findings:
             return []
         return written + [Output(self.topics.anomalies, identity.request_id.encode(),
                                  json.dumps(doc, sort_keys=True).encode(), source) for doc in docs]
+
+    def late(self, item: LateOutcome, judged_by: str, source: Source, mode: Mode = Mode.FRESH) -> list[Output]:
+        """A request's outcome that came after its traces were judged ``pending`` (or
+        ``missing``: its window closed): the tallies and ``attention_anomaly_outcomes`` of
+        each of its layers, and (fresh, and given) its ``attention-outcome/1`` record."""
+        if mode is Mode.REPLAYED:
+            return []
+        layers = []
+        for layer in item.layers:
+            kinds = self.awaiting.pop((item.request_id, layer), ())
+            series = self.metrics.layer(item.model_id, item.revision, layer)
+            series.observe_late(item.outcome.result, kinds)
+            layers.append({"layer": layer, "kinds": sorted(set(kinds)), "layer_outcomes": dict(series.outcomes),
+                           "reference_outcomes": self._reference_tally(item.model_id, item.revision, judged_by,
+                                                                       layer)})
+        if mode is Mode.WRITTEN or not item.outcome.known:
+            return []
+        doc = outcome_record(item.fields(), judged_by, layers, self._wall())
+        return [Output(self.topics.anomalies, item.request_id.encode(), json.dumps(doc, sort_keys=True).encode(),
+                       source)]
+
+    def _remember(self, request_id: str, layer: int, kinds: tuple[str, ...]) -> None:
+        self.awaiting[(request_id, layer)] = kinds
+        self.awaiting.move_to_end((request_id, layer))
+        while len(self.awaiting) > self._awaiting_max:
+            self.awaiting.popitem(last=False)
+
+    def _reference_tally(self, model: str, revision: str, judged_by: str | None, layer: int) -> dict[str, Any] | None:
+        """The tally of the same layer of the revision whose reference judges ``revision``
+        (None when it judges itself), with its name."""
+        if judged_by is None or judged_by == revision:
+            return None
+        return {"revision": judged_by, **self.metrics.layer(model, judged_by, layer).outcomes}
 
     def expire(self) -> list[Output]:
         """Records of the incidents quiet for long enough to close."""

@@ -28,12 +28,13 @@ from monitor.broker.tail import read_range
 from monitor.core.detect import Verdict
 from monitor.core.incidents import IncidentTracker
 from monitor.core.key_state import KeyState
+from monitor.core.outcome import Outcome
 from monitor.errors import TraceRejected
 from monitor.measuring.measurer import Duplicate, Rejected
 from monitor.measuring.workers import Measuring
 from monitor.protocol import judge_state, observations
-from monitor.protocol.observations import Forwarded
-from monitor.protocol.records import Output, Record, Source
+from monitor.protocol.observations import Forwarded, LateOutcome
+from monitor.protocol.records import Output, Record, Source, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.join import Waiting
 
@@ -50,18 +51,31 @@ class Forwarding:
     def __init__(self, topics: Topics, judged_by: Callable[[str, str], str]):
         self.topics, self.judged_by = topics, judged_by
         self._by_key: dict[bytes, list[Forwarded]] = {}
+        self._late: dict[bytes, list[LateOutcome]] = {}
 
-    def add(self, waiting: Waiting, outcome: str) -> None:
+    def judge_of(self, trace: TraceIdentity) -> str:
+        """The revision whose reference judges the trace (its judge key's)."""
+        return self.judged_by(trace.model_id, trace.model_revision)
+
+    def add(self, waiting: Waiting, outcome: Outcome) -> None:
         trace = waiting.trace
-        key = observations.judge_key(trace.model_id, self.judged_by(trace.model_id, trace.model_revision))
+        key = observations.judge_key(trace.model_id, self.judge_of(trace))
         self._by_key.setdefault(key, []).append(Forwarded(trace, waiting.heads, waiting.metrics, outcome))
+
+    def add_late(self, judged_by: str, late: LateOutcome) -> None:
+        """The outcome of a request whose traces left ``pending``, for the judge they went to."""
+        self._late.setdefault(observations.judge_key(late.model_id, judged_by), []).append(late)
 
     def records(self) -> list[Output]:
         """One record per judge key (more when they would exceed 512 KiB), its traces in
-        the order they were joined; the batch starts afresh."""
-        out = [Output(self.topics.observations, key, value, entries[0].identity.source)
-               for key, entries in self._by_key.items() for value in observations.encode_within(entries)]
-        self._by_key = {}
+        the order they were joined, then its late outcomes; the batch starts afresh."""
+        out = []
+        for key in dict.fromkeys([*self._by_key, *self._late]):
+            entries, late = self._by_key.get(key, []), self._late.get(key, [])
+            source = entries[0].identity.source if entries else late[0].source
+            out += [Output(self.topics.observations, key, value, source)
+                    for value in observations.encode_within(entries, late=late)]
+        self._by_key, self._late = {}, {}
         return out
 
 
@@ -72,6 +86,8 @@ class Judging:
 
     entries: dict[Source, list[Forwarded] | TraceRejected]
     verdicts: Future[list[Verdict | Duplicate | Rejected]] | None
+    #: the late outcomes of each readable record, taken after its entries
+    late: dict[Source, list[LateOutcome]]
     states: Future[list[KeyState]] | None = None
     #: per owned observations partition: the offset the round has taken in, and its keys
     rounds: dict[int, tuple[int, list[JudgeKey]]] = field(default_factory=dict)
@@ -93,24 +109,26 @@ class Judges:
         order with the traces measured before and after them); a round of the judges'
         state after them when one is due."""
         entries: dict[Source, list[Forwarded] | TraceRejected] = {}
+        late: dict[Source, list[LateOutcome]] = {}
         queued: list[Forwarded] = []
         for record in records:
             self._queued[record.partition] = record.offset + 1
             source = (record.topic, record.partition, record.offset)
             try:
                 key, read = observations.read(record.key, record.value)
+                late[source] = observations.decode_late(record.value)
             except TraceRejected as exc:
                 entries[source] = exc
                 continue
             self._keys_on.setdefault(record.partition, set()).add(key)
             entries[source] = read
             queued += read
-        judging = Judging(entries, self.measuring.judge_forwarded(queued) if queued else None)
+        judging = Judging(entries, self.measuring.judge_forwarded(queued) if queued else None, late)
         if not self._queued or self._clock() - self._round_at < self._interval:
             return judging
         self._round_at = self._clock()
         keys = sorted({k for p in self._queued for k in self._keys_on.get(p, ())})
-        return Judging(judging.entries, judging.verdicts, self.measuring.key_states(keys),
+        return Judging(judging.entries, judging.verdicts, judging.late, self.measuring.key_states(keys),
                        {p: (offset, sorted(self._keys_on.get(p, ()))) for p, offset in self._queued.items()})
 
     def round(self, judging: Judging, incidents: IncidentTracker, now: float) -> list[Output]:

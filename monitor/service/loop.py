@@ -24,7 +24,7 @@ from typing import Protocol
 
 from monitor.broker.group import GroupMember
 from monitor.broker.tables import TableReader
-from monitor.broker.tail import read_back
+from monitor.broker.tail import read_back, read_range
 from monitor.errors import InfrastructureError
 from monitor.measuring.workers import Measuring
 from monitor.protocol.codec import named_contract
@@ -228,6 +228,13 @@ class Loop:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
         self.pipeline.reassign({tp: o for tp, o in service.assignment.positions.items() if tp in assigned},
                                {p for t, p in change.lost if t == self.topics.traces}, emitted)
+        for topic, partition in sorted(change.new):
+            if topic == self.topics.traces:  # its requests whose outcome may still come
+                kafka = self.settings.kafka_connection()
+                waiting = self.pipeline.rebuild_pending(
+                    partition, (value for _, _, value in read_range(kafka, self.topics.pending, partition, None, None)))
+                log.info("trace partition %d: %d requests awaiting their outcome, from %s", partition, waiting,
+                         self.topics.pending)
         for topic, partition in sorted(change.new):
             if topic == self.topics.observations:
                 take_over(self.settings.kafka_connection(), self.topics, partition, committed[(topic, partition)],

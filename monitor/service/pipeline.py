@@ -4,6 +4,8 @@
 
     trace records ─▶ measuring (processes or a thread): decode → verify → contract → metrics
                   ─▶ join with outcomes (service/join.py) ─▶ attention-observations, keyed by judge
+                     (no outcome within the join window: pending, and its request waits in
+                     service/late.py for one, which follows its traces to the same judge)
     observation records ─▶ the judge (de-duplication, detector) ─▶ findings (service/findings.py)
 
 :meth:`Pipeline.process` is the one entry point: it hands a batch's trace records to the
@@ -29,17 +31,20 @@ from pydantic import ValidationError
 
 from monitor.core.detect import Verdict
 from monitor.core.join import Joined
+from monitor.core.outcome import PENDING, Outcome
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Duplicate, Measured, Rejected, Result
 from monitor.measuring.workers import Measuring, results
 from monitor.protocol.dead_letter import dead_letter, encode_dead_letter
+from monitor.protocol.observations import LateOutcome, parse_key
 from monitor.protocol.records import Output, Record, Source
 from monitor.protocol.schema import TaskOutcome
-from monitor.protocol.topics import Topics
+from monitor.protocol.topics import OUTCOME_WINDOW_S, Topics
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.findings import Findings, Mode
 from monitor.service.fleet import Forwarding, Judged, Judges, Judging
 from monitor.service.join import Join, Waiting
+from monitor.service.late import Late
 
 __all__ = ["Batch", "Loopback", "Pipeline"]
 
@@ -80,18 +85,24 @@ class Pipeline:
         wall_clock: Callable[[], float] = time.time,
         judged_by: Callable[[str, str], str] | None = None,
         state_interval: float = 30.0,
+        outcome_window: float = OUTCOME_WINDOW_S,
+        outcome_max_requests: int = 250_000,
     ):
         """``judged_by(model, revision)``: the revision whose reference judges a trace, its
         judge's key (the service's routing rule; by default the rule the judge starts
         with, :meth:`MeasurerSpec.pins`); ``state_interval``: how often a round of the
-        judges' state is written (``STATE_SAVE_INTERVAL_S``)."""
+        judges' state is written (``STATE_SAVE_INTERVAL_S``); ``outcome_window`` and
+        ``outcome_max_requests``: how long and for how many requests an outcome that
+        comes after the join window is still attributed (``OUTCOME_WINDOW_S``,
+        ``OUTCOME_MAX_REQUESTS``)."""
         if judged_by is None:
             judged_by = measuring.spec.pins().judge_revision
         self.measuring = measuring
         self.metrics = metrics
         self.topics = topics or Topics()
         self.join = Join(metrics, join_ttl, join_max_entries, clock, wall_clock)
-        self.findings = Findings(metrics, self.topics, incident_quiet, clock, wall_clock)
+        self.late = Late(metrics, self.topics, outcome_window, outcome_max_requests, clock)
+        self.findings = Findings(metrics, self.topics, incident_quiet, clock, wall_clock, outcome_max_requests)
         self.incidents = self.findings.incidents
         self.forwarding = Forwarding(self.topics, judged_by)
         self.judges = Judges(measuring, self.topics, judged_by, state_interval, clock)
@@ -129,16 +140,20 @@ class Pipeline:
                 else:
                     judged = [(entry, next(verdicts)) for entry in entries]
                     taught |= any(isinstance(v, Verdict) and v.learning for _, v in judged)
-                    outputs += self._judged(record, judged)
+                    outputs += self._judged(record, judged, judging.late.get(_source(record), []))
             else:
                 outputs += self._outcome(record)
             self._progress[(record.topic, record.partition)] = record.offset + 1
         self._forward(self.join.expire())
+        written, missing = self.late.outputs(self.join.newest())
+        for judged_by, late in missing:
+            self.forwarding.add_late(judged_by, late)
         outputs += self.findings.expire()
         outputs += self.forwarding.records()
+        outputs += written
         outputs += self.judges.round(judging, self.incidents, self._clock())
-        return Batch(outputs, dict(self._progress), self.join.held(self.topics.traces, self.topics.outcomes,
-                                                                   self._progress), taught)
+        held = self.join.held(self.topics.traces, self.topics.outcomes, self._progress)
+        return Batch(outputs, dict(self._progress), self.late.held(self.topics.traces, held), taught)
 
     def replayed(self, judged: Judged, incidents: list[dict[str, Any]]) -> None:
         """An observations partition moved here (with no batch in flight): the open
@@ -177,25 +192,42 @@ class Pipeline:
             self.metrics.outcomes_rejected.labels(RejectReason.MALFORMED.value).inc()
             detail = f"outcome: {exc.errors()[0]['msg']}"
             return self._dead_letter(record, RejectReason.MALFORMED, detail, None)
-        self._forward(self.join.outcome(record, outcome.request_id, outcome.outcome))
+        given = Outcome(outcome.outcome, outcome.label, outcome.score, self.join.event_time(record))
+        settled = self.late.settle(outcome.request_id, given, _source(record))
+        if settled is not None:
+            with self._emitted_lock:
+                written = _source(record) in self._emitted
+            if not written:
+                self.forwarding.add_late(*settled)
+        self._forward(self.join.outcome(record, outcome.request_id, given, met=settled is not None))
         return []
 
     def _forward(self, joined: Iterable[Joined[Waiting]]) -> None:
-        """Joined traces leave for their judges, but those forwarded before a restart."""
+        """Joined traces leave for their judges, but those forwarded before a restart; a
+        trace that leaves ``pending`` has its request wait for its outcome (service/late.py)."""
         for item in joined:
             with self._emitted_lock:
                 if (self.topics.traces, item.partition, item.offset) in self._emitted:
                     continue
+            if item.outcome is PENDING:
+                trace = item.item.trace
+                at = min(trace.trace_timestamp, self._wall()) if trace.trace_timestamp > 0 else self._wall()
+                for judged_by, late in self.late.pending(trace, self.forwarding.judge_of(trace), item.partition,
+                                                         item.offset, at):
+                    self.forwarding.add_late(judged_by, late)
             self.forwarding.add(item.item, item.outcome)
 
-    def _judged(self, record: Record, judged: Judged) -> list[Output]:
-        """Verdicts on an observation record's traces, each with the outcome it came with;
-        a record whose outputs were written before a restart writes none again."""
+    def _judged(self, record: Record, judged: Judged, late: list[LateOutcome]) -> list[Output]:
+        """Verdicts on an observation record's traces, each with the outcome it came with,
+        then its late outcomes; a record whose outputs were written before a restart
+        writes none again."""
         source = _source(record)
         with self._emitted_lock:
             mode = Mode.WRITTEN if source in self._emitted else Mode.FRESH
-        return [out for entry, verdict in judged
-                for out in self.findings.judged(entry.identity, verdict, entry.outcome, source, mode)]
+        _, judged_by = parse_key(record.key)
+        return [*(out for entry, verdict in judged
+                  for out in self.findings.judged(entry.identity, verdict, entry.outcome, source, mode)),
+                *(out for item in late for out in self.findings.late(item, judged_by, source, mode))]
 
     def _reject(self, record: Record, reason: RejectReason, detail: str, header: Any) -> list[Output]:
         self.metrics.rejected.labels(reason.value).inc()
@@ -221,10 +253,16 @@ class Pipeline:
         outputs are already written (found by reading the output topics back)."""
         self._progress = dict(positions)
         self.judges.reassign(positions)
+        self.late.drop_partitions(lost)
         dropped = self.join.drop_partitions(lost)
         self.measuring.forget([waiting.trace.trace_id for waiting in dropped])
         with self._emitted_lock:
             self._emitted |= emitted
+
+    def rebuild_pending(self, partition: int, values: Iterable[bytes | None]) -> int:
+        """A trace partition moved here (with no batch in flight): its requests awaiting
+        an outcome, from the pending-outcomes records written for it (:meth:`Late.rebuild`)."""
+        return self.late.rebuild(partition, values)
 
     def committed(self, offsets: dict[TP, int]) -> None:
         """Offsets committed: outputs of records below them are never needed again."""
@@ -238,7 +276,8 @@ class Loopback:
     """The internal topics without a broker, for in-process users (the demo, tests): a
     batch's observation records come back as records of the observations topic, as a
     consumer of that topic would read them (one partition, offsets in order); rounds of
-    the judges' state go nowhere (nothing takes a partition over in-process)."""
+    the judges' state and the pending outcomes' go nowhere (nothing takes a partition
+    over in-process)."""
 
     def __init__(self, topics: Topics):
         self.topics = topics
@@ -247,10 +286,10 @@ class Loopback:
 
     def take(self, outputs: list[Output]) -> list[Output]:
         """Keep the observation records of ``outputs`` for the next batch; the others but
-        the judges' state."""
+        the judges' state and the pending outcomes'."""
         rest = []
         for out in outputs:
-            if out.topic == self.topics.judge_state:
+            if out.topic in (self.topics.judge_state, self.topics.pending):
                 continue
             if out.topic != self.topics.observations:
                 rest.append(out)

@@ -4,8 +4,9 @@ Two revisions of a model serve realistic traffic (:mod:`monitor.tools.scenario`:
 short requests, healthy sinks and previous-token heads). Revision 2 is pinned to
 revision 1's reference (as an operator would at deploy), and from its 40th request on,
 four heads of one layer drift towards a single shared pattern: low head diversity.
-Outcomes arrive before or after their traces; some never arrive (``missing`` after the
-TTL); requests through the drifting layer fail more often.
+Outcomes arrive before or after their traces; some never arrive (``pending`` after the
+join's TTL: one could still come late); requests through the drifting layer fail more
+often.
 """
 
 from __future__ import annotations

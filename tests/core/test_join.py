@@ -88,7 +88,7 @@ def test_outcomes_that_meet_no_trace_are_counted_once_and_any_outcome_value_trav
     buf.add_trace("r", "t", 0, 3, now=0)
     assert [j.outcome for j in buf.add_outcome("r", ("failure", "regenerate"), 0, 4, now=1)] == [
         ("failure", "regenerate")]
-    buf.add_outcome("r", ("failure", "again"), 0, 5, now=2)  # a duplicate replaces it: met already
+    buf.add_outcome("r", ("failure", "again"), 0, 5, now=2)  # a duplicate replaces it, and meets nothing
     buf.add_trace("late-trace", "t2", 0, 6, now=3)
     assert [(j.item, j.outcome) for j in buf.expire(now=100)] == [("t2", ("pending", ""))]
-    assert buf.unmatched == 1
+    assert buf.unmatched == 2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from monitor.core.detect import Detector, DetectorConfig
+from monitor.core.outcome import Outcome
 from monitor.errors import RejectReason, TraceRejected
 from monitor.measuring.measurer import Measurer, Observed
 from monitor.protocol.codec import encode as encode_trace
@@ -39,7 +40,7 @@ def measured(scenario: Scenario, requests: int, seed: int) -> list[Observed]:
 
 
 def forwarded(items: list[Observed]) -> list[Forwarded]:
-    return [Forwarded(o.identity, o.heads, o.metrics, "failure" if i % 3 == 0 else "success")
+    return [Forwarded(o.identity, o.heads, o.metrics, Outcome("failure" if i % 3 == 0 else "success"))
             for i, o in enumerate(items)]
 
 

@@ -121,8 +121,8 @@ def test_series_per_model_revision_follow_the_documented_formula():
             return sum(len(f.samples) for f in registry.collect()) - before
 
         for layers, heads in ((1, 1), (3, 4), (32, 32)):
-            assert series("layer", layers, heads) == 103 * layers
-            assert series("head", layers, heads) == 103 * layers + 27 * layers * heads
+            assert series("layer", layers, heads) == 104 * layers
+            assert series("head", layers, heads) == 104 * layers + 27 * layers * heads
     finally:
         prometheus_client.enable_created_metrics()
 

@@ -65,7 +65,7 @@ def test_commits_are_held_back_to_the_oldest_waiting_trace(make_pipeline):
     batch = pipe.process([trace(10), trace(11), trace(12), *outcomes]).result()
     assert batch.positions == {(TRACES, 0): 13, (OUTCOMES, 0): 5}
     assert batch.committable == {(TRACES, 0): 10, (OUTCOMES, 0): 4}
-    clock.now = 11  # past the TTL: the traces leave with outcome "missing", the outcome leaves unmatched
+    clock.now = 11  # past the TTL: the traces leave pending, the outcome unmatched
     assert pipe.process([]).result().committable == {(TRACES, 0): 13, (OUTCOMES, 0): 5}
 
 
@@ -156,7 +156,7 @@ def test_joined_traces_leave_for_their_judge_and_the_records_given_to_the_judge_
     (forwarded,) = [o for o in out if o.topic == OBSERVATIONS]  # req-2 still waits for its outcome
     assert observations.parse_key(forwarded.key) == ("test-model", "rev-1")
     entries = observations.decode(forwarded.value)
-    assert [(e.identity.request_id, e.outcome) for e in entries] == [("req-0", "success"), ("req-1", "failure")]
+    assert [(e.identity.request_id, e.outcome.result) for e in entries] == [("req-0", "success"), ("req-1", "failure")]
     assert not [o for o in out if o.topic == Topics().anomalies]
     assert registry.get_sample_value("attention_reference_traces", LAYER) == 0  # not judged here
 

@@ -83,6 +83,7 @@ def test_a_traces_rows_travel_from_its_header_to_its_judge():
     import numpy as np
 
     from monitor.core.metrics import HeadMetrics
+    from monitor.core.outcome import Outcome
     from monitor.measuring.measurer import trace_identity
     from monitor.protocol import observations
     from monitor.protocol.observations import Forwarded
@@ -100,5 +101,5 @@ def test_a_traces_rows_travel_from_its_header_to_its_judge():
     metrics = HeadMetrics(entropy=np.zeros(h), concentration=np.zeros(h), sink_share=np.zeros(h),
                           similarity=np.eye(h), diversity=np.array(1.0), effective_heads=np.array(float(h)),
                           prompt_mass=np.zeros(h), learned_sink=np.full(h, np.nan))
-    value = observations.encode([Forwarded(identity, tuple(header.heads), metrics, "success")])
+    value = observations.encode([Forwarded(identity, tuple(header.heads), metrics, Outcome("success"))])
     assert observations.decode(value)[0].identity.rows == (3, 1)
