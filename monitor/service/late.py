@@ -59,9 +59,10 @@ class Late:
         """A trace left the join without its outcome (``at``: its event time): its request
         waits here. Returns the requests pushed out to make room (``missing``)."""
         waiting = self.table.get(trace.request_id)
+        before = () if waiting is None else waiting.layers
         pushed = self.table.add(trace.request_id, trace.model_id, trace.model_revision, judged_by, trace.layer,
                                 partition, at)
-        if waiting is None or trace.layer not in waiting.layers:
+        if trace.layer not in before:
             self.metrics.layer(trace.model_id, trace.model_revision, trace.layer).pending.inc()
         self._hold[partition] = min(self._hold.get(partition, offset), offset)
         self._urgent |= bool(pushed)

@@ -36,6 +36,7 @@ def make_topics(make_topic, partitions: int = 2) -> Topics:
         references=make_topic("references", partitions=1, configs={"cleanup.policy": "compact"}),
         observations=make_topic("observations", partitions=partitions),
         judge_state=make_topic("judge-state", partitions=partitions, configs={"cleanup.policy": "compact"}),
+        pending=make_topic("pending-outcomes", partitions=partitions),
     )
 
 
@@ -63,6 +64,7 @@ def monitor_env(bootstrap: str, topics: Topics, group: str, tmp: Path, **overrid
         "ATTENTION_MONITOR_REFERENCES_TOPIC": topics.references,
         "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": topics.observations,
         "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": topics.judge_state,
+        "ATTENTION_MONITOR_PENDING_TOPIC": topics.pending,
         "ATTENTION_MONITOR_KEYRING_FILE": str(keyring),
         "ATTENTION_MONITOR_ALLOWED_SCOPES": "demo:synthetic",
         "ATTENTION_MONITOR_METRICS_PORT": str(free_port()),

@@ -178,3 +178,13 @@ def test_a_new_owner_of_the_partition_rebuilds_the_requests_and_attributes_their
     assert again.value("attention_monitor_outcomes_late_total") == 1
     forwarded = [e for o in again.written if o.topic == TOPICS.observations for e in observations.decode(o.value)]
     assert not forwarded  # the traces were judged before the move
+
+
+def test_every_layer_of_a_pending_request_is_pending(make):
+    clock = Clock()
+    h = Harness(make, clock)
+    h.run(*traces(range(2)))
+    clock.now = TTL + 1
+    h.run()
+    for layer in ("0", "1"):
+        assert h.value("attention_trace_outcomes_pending", **{**LAYER0, "layer": layer}) == 2
