@@ -68,13 +68,13 @@ def report(counts: OutcomeCounts) -> list[str]:
     for model, revision in revisions:
         mine = counts.group(model, revision)
         assert mine is not None
-        line = f"  {model} {revision}: {rate_text(mine)}"
+        lines.append(f"  {model} {revision}: {rate_text(mine)}")
         reference = counts.judged_by.get((model, revision))
         theirs = counts.group(model, reference) if reference and reference != revision else None
         if theirs is not None:
-            line += f"; its reference {reference}: {rate_text(theirs)}"
+            line = f"    against its reference {reference}: {rate_text(theirs)}"
             found = difference(mine.rate, theirs.rate)
             if found is not None:
                 line += f"; difference {found[0]:+.3f} (95 % {found[1]:+.3f} to {found[2]:+.3f})"
-        lines.append(line)
+            lines.append(line)
     return lines

@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitor.core.detect import Detector, DetectorConfig
+from monitor.tools import outcome_status
+from monitor.tools.outcome_status import OutcomeCounts
 
 Layer = tuple[str, str, int]
 
@@ -41,6 +43,8 @@ class Status:
     unmatched_pins: list[tuple[str, str, str]] = field(default_factory=list)  #: (model, revision, reference)
     #: (layer, metric) a live instance reported: it overrides the saved state's value
     live: set[tuple[Layer, str]] = field(default_factory=set)
+    #: every revision's outcomes, added up over the live instances
+    outcomes: OutcomeCounts = field(default_factory=OutcomeCounts)
 
 
 def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
@@ -68,7 +72,8 @@ def from_metrics(status: Status, text: str, fleet: bool = False) -> None:
     fleet's view: traces and unjudged traces add up, a layer's reference is the one
     holding the most traces, and it is ready when every instance that judges it says so
     (``fleet``, JUDGING=fleet: when the one that judges it does; the others measure the
-    layer and report 0)."""
+    layer and report 0); outcomes add up too (:mod:`monitor.tools.outcome_status`)."""
+    status.outcomes.add(text)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
@@ -156,6 +161,7 @@ def report(status: Status, reference_traces: int) -> str:
                      f"{revision}: " + (f"traces of {model} carry {', '.join(seen)}; if that is the canary, it is "
                                         "not pinned (pin the revision its traces carry)" if seen else
                                         "no traces of it yet"))
+    lines += outcome_status.report(status.outcomes)
     lines += [f"note: {note}" for note in status.notes]
     return "\n".join(lines) + "\n"
 
