@@ -58,6 +58,13 @@ class Case:
     outcomes: Outcomes | None = None  #: the revision against its reference, the anomalous traces against the rest
     #: every layer of the revision with findings (while the incident was open), by the rows they were measured on
     rows: dict[int, LayerRows] = field(default_factory=dict)
+    #: the outcome records among the records read, by request id (outcomes that came late)
+    late: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def outcome_of(self, record: dict[str, Any]) -> str:
+        """An anomaly record's outcome, or its request's late one (said so)."""
+        said = outcomes.resolved(record, self.late)
+        return str(said["outcome"] or "pending") + (" (late)" if said["late"] else "")
     timelines: dict[str, dict[str, list[Point]]] = field(default_factory=dict)  #: metric → head → points
 
     @property
@@ -211,6 +218,7 @@ def _from_every_record(case: Case, records: list[dict[str, Any]]) -> Case:
     revision, with the late outcomes and newest tallies (:mod:`monitor.triage.outcomes`),
     and the rows its revision's findings on every layer were measured on while the
     incident was open (:mod:`monitor.triage.generation`)."""
+    case.late = outcomes.late_outcomes(records)
     case.outcomes = outcomes.view(case.records, records, case.model, case.revision, case.layer)
     incident = case.incident or {}
     start = float(incident.get("evidence_since") or incident.get("opened_at") or math.inf) - 1.0

@@ -80,6 +80,7 @@ def test_late_outcomes_count_for_their_anomaly_records_with_their_labels_and_the
     assert found.anomalous.baseline.rate == outcomes.Rate(1, 5)
     html = page.render(case)
     assert 'data-label="thumbs_down"' in html and ">3</span> of their outcomes came after the join window" in html
+    assert "<td>failure (late)</td>" in html and "<td>pending</td>" in html  # the strongest findings' outcomes
     text = report(case.records, [], recs)
     assert "outcomes: failure=2, pending=3, success=1" in text
 
