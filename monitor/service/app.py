@@ -197,15 +197,17 @@ class Service:
         return producer, consumer
 
     def _check_topics(self, consumer: GroupMember) -> None:
-        """Every topic the service reads or writes, there and describable; the two internal
-        ones (each stream's judging goes through them) named together with the command
-        that creates them when either is missing."""
+        """Every topic the service reads or writes, there and describable; the internal
+        ones (each stream's judging and the late outcomes go through them) named together
+        with the command that creates them when any is missing; the pending outcomes with
+        at least as many partitions as the traces."""
         t = self.topics
         partitions = consumer.check_topics([t.traces, t.outcomes, t.anomalies, t.dead_letter])[t.traces]
         missing = []
+        counts: dict[str, int] = {}
         for topic in (t.observations, t.judge_state, t.pending):
             try:
-                consumer.check_topics([topic])
+                counts.update(consumer.check_topics([topic]))
             except InfrastructureError as exc:
                 if exc.retriable:
                     raise
@@ -218,6 +220,12 @@ class Service:
                 f"`attention-monitor topics create --partitions {partitions}` (as many partitions as {t.traces}; "
                 f"topics that exist are left as they are), or grant this principal DESCRIBE on them "
                 f"(`attention-monitor acls apply`)", retriable=False)
+        if counts.get(t.pending, partitions) < partitions:  # trace partition i keeps its requests on partition i
+            raise InfrastructureError(
+                f"topic {t.pending} has {counts[t.pending]} partitions, fewer than the {partitions} of {t.traces}: "
+                f"each trace partition keeps its requests awaiting a late outcome on the partition of the same "
+                f"number. Add partitions (kafka-topics --alter --partitions {partitions}) or create it anew",
+                retriable=False)
 
 
 def run_service(settings: Settings) -> ExitCode:
