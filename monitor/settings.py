@@ -97,7 +97,7 @@ class Settings(BaseSettings):
                                     "an outcome is still attributed (one that comes after the join window counts "
                                     "late); past it the request counts missing")
     outcome_max_requests: int = Field(250_000, gt=0, description="requests awaiting their outcome past the join "
-                                      "window, at most, per instance (about 400 bytes each: 100 MB by default); "
+                                      "window, at most, per instance (about 480 bytes each: 120 MB by default); "
                                       "beyond, the oldest counts missing")
     dedupe_window: int = Field(100_000, gt=0)
     state_dir: Path | None = Field(None, description="where this instance saves and reloads its reference state")

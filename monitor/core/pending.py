@@ -18,9 +18,9 @@ Requests whose window closed are not listed one by one: a delta says the event t
 through which every window closed (``through``), which is all a rebuild needs, so that
 the deltas stay few (new requests, and the few that settle or are pushed out).
 
-Memory: about 400 bytes per request with a 36-character request id and up to four
-layers (``docs/delivery.md`` has the measurement), so ``max_requests`` = 250,000 is about
-100 MB.
+Memory: about 480 bytes per request with a 45-character request id and two layers
+(``benchmarks/pending_bench.py``; ``docs/delivery.md``), so ``max_requests`` = 250,000 is
+about 120 MB.
 """
 
 from __future__ import annotations

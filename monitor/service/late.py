@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from monitor.core.outcome import MISSING, Outcome
@@ -121,10 +122,10 @@ class Late:
             through = max(through, delta.through)
         self.table.forget(through)
         mine = self._requests_of(partition)
-        for entry in mine:
-            if entry.request_id not in before:
-                for layer in entry.layers:
-                    self.metrics.layer(entry.model_id, entry.revision, layer).pending.inc()
+        added = Counter((e.model_id, e.revision, layer) for e in mine if e.request_id not in before
+                        for layer in e.layers)
+        for (model, revision, layer), count in added.items():
+            self.metrics.layer(model, revision, layer).pending.inc(count)
         self._sync()
         return len(mine)
 
