@@ -359,11 +359,12 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
            "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl),
            "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": f"b-observations-{group}",
-           "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": f"b-judge-state-{group}"}
+           "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": f"b-judge-state-{group}",
+           "ATTENTION_MONITOR_PENDING_TOPIC": f"b-pending-outcomes-{group}"}
     # each run's own: a run must not judge the one before's observations
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics({f"b-{t}-{group}": {"num_partitions": 4, "replication_factor": 1}
-                         for t in ("observations", "judge-state")}, wait_for_metadata=True)
+                         for t in ("observations", "judge-state", "pending-outcomes")}, wait_for_metadata=True)
     admin.close()
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)

@@ -100,6 +100,11 @@ class Late:
                        partition)
                 for partition, delta in sorted(deltas.items()) for value in pending.encode(delta)], missing
 
+    def due(self) -> None:
+        """Write the changes with the next batch (before a stop: its commit then holds
+        nothing back for them)."""
+        self._urgent = True
+
     def held(self, traces_topic: str, committable: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
         """``committable``, held back on each trace partition to the oldest trace whose
         request is not written yet."""

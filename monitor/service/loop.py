@@ -131,6 +131,8 @@ class Loop:
                 lag_at = time.monotonic()
                 self._check_broker()
             self.saver.maybe()
+        self.pipeline.late.due()  # the requests awaiting a late outcome written with the last offsets
+        running.append(self.pipeline.process([]))
         _complete(self.delivery, [*finished, *running])
         self._drain()
         log.info("stop requested: last batch committed")
@@ -231,7 +233,7 @@ class Loop:
         for topic, partition in sorted(change.new):
             if topic == self.topics.traces:  # its requests whose outcome may still come
                 kafka = self.settings.kafka_connection()
-                waiting = self.pipeline.rebuild_pending(
+                waiting = self.pipeline.late.rebuild(
                     partition, (value for _, _, value in read_range(kafka, self.topics.pending, partition, None, None)))
                 log.info("trace partition %d: %d requests awaiting their outcome, from %s", partition, waiting,
                          self.topics.pending)

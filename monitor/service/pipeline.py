@@ -259,11 +259,6 @@ class Pipeline:
         with self._emitted_lock:
             self._emitted |= emitted
 
-    def rebuild_pending(self, partition: int, values: Iterable[bytes | None]) -> int:
-        """A trace partition moved here (with no batch in flight): its requests awaiting
-        an outcome, from the pending-outcomes records written for it (:meth:`Late.rebuild`)."""
-        return self.late.rebuild(partition, values)
-
     def committed(self, offsets: dict[TP, int]) -> None:
         """Offsets committed: outputs of records below them are never needed again."""
         if not offsets:

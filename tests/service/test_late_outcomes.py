@@ -170,7 +170,7 @@ def test_a_new_owner_of_the_partition_rebuilds_the_requests_and_attributes_their
     assert [json.loads(v)["closed"] for v in first.pending_records()] == [[], ["req-0"]]
 
     again = Harness(make, Clock())
-    assert again.pipe.rebuild_pending(0, first.pending_records()) == 2
+    assert again.pipe.late.rebuild(0, first.pending_records()) == 2
     assert again.value("attention_trace_outcomes_pending", **LAYER0) == 2
     again.run(outcome(0, 0, T0 + 30, outcome="failure"),  # settled before the move: nothing
               outcome(2, 1, T0 + 40, label="escalated"))
