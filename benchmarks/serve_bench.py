@@ -2,7 +2,7 @@
 real server, tapped at 0 %, 1 % and 100 % against untapped, at a fixed concurrency, in one run.
 
     python benchmarks/serve_bench.py [--rounds 5] [--requests 16] [--concurrency 4]
-                                     [--new-tokens 32] [--continuous-batching]
+                                     [--new-tokens 32] [--threads 1] [--continuous-batching]
 
 A Llama of realistic width (8 layers of 8 query heads sharing 4 KV heads, hidden 512,
 random weights, about 25 M parameters; the byte-level tokenizer of the tests) is saved
@@ -15,7 +15,10 @@ to each server in turn, the order rotating every round, and times the burst: req
 and completion tokens/s (the usage the server reports). Each figure is the median over
 rounds; the ratio is the median over rounds of each server's figure over the reference's
 of the same round. The answers of every server must be the same text (greedy): the run
-says whether they are. Goal: at 1 % within 2 % of untapped tokens/s.
+says whether they are. Every server's torch runs ``--threads`` threads (OMP_NUM_THREADS):
+with the default of one, five servers on a small machine do not spin-wait on each
+other's cores (with two threads each on a 2-core machine, the untapped server's bursts
+swung fourfold from one to the next). Goal: at 1 % within 2 % of untapped tokens/s.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per burst")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each server (OMP_NUM_THREADS)")
     parser.add_argument("--continuous-batching", action="store_true", help="every server batches continuously")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -85,7 +89,8 @@ def main() -> None:
         create_topics(broker.connection(), layout(partitions=2), replication_factor=1)
         keyring = work / "keyring.json"
         keyring.write_text(json.dumps({"bench": "b" * 32}))
-        env = {"ATTENTION_MONITOR_BOOTSTRAP_SERVERS": broker.bootstrap, "ATTENTION_MONITOR_KEYRING_FILE": str(keyring)}
+        env = {"ATTENTION_MONITOR_BOOTSTRAP_SERVERS": broker.bootstrap, "ATTENTION_MONITOR_KEYRING_FILE": str(keyring),
+               "OMP_NUM_THREADS": str(args.threads)}
         batching = ["--continuous-batching"] if args.continuous_batching else []
         for name, (tapped, rate) in CONFIGS.items():
             tap = ["--sample-rate", str(rate), "--tap-log-interval", "3600"] if tapped else []
@@ -115,8 +120,8 @@ def main() -> None:
         broker.stop()
 
     print(f"\n{args.requests} requests a burst at concurrency {args.concurrency}, up to {args.new_tokens} new "
-          f"tokens, {'continuous batching' if args.continuous_batching else 'generate (one request at a time)'}; "
-          f"median of {args.rounds} rounds")
+          f"tokens, {'continuous batching' if args.continuous_batching else 'generate (one request at a time)'}, "
+          f"{args.threads} torch thread(s) a server; median of {args.rounds} rounds")
     print(f"{'server':<16}{'requests/s':>12}{'tokens/s':>10}{'ratio':>8}")
     reference = "untapped"
     for name in names:
