@@ -69,7 +69,7 @@ from monitor.core.metrics import head_metrics
 from monitor.producer import Scope, TraceHeader, TraceProducer
 from monitor.protocol.codec import valid_keys
 from monitor.protocol.model_contract import ModelContract
-from monitor.protocol.topics import Topics, TopicSpec
+from monitor.protocol.topics import Topics, layout
 
 REPO = Path(__file__).resolve().parent.parent
 KEY_ID, SECRET = "soak", b"a soak test's signing secret, 32+ bytes"
@@ -134,12 +134,7 @@ class Stack:
         self.workdir = workdir
         self.broker: KafkaBroker = start_broker("plaintext", workdir / "kafka")
         self.topics = Topics()
-        create_topics(self.broker.connection(), [TopicSpec(self.topics.traces, 4), TopicSpec(self.topics.outcomes, 4),
-                                                 TopicSpec(self.topics.contracts, 1, {"cleanup.policy": "compact"}),
-                                                 TopicSpec(self.topics.anomalies, 4),
-                                                 TopicSpec(self.topics.dead_letter, 1),
-                                                 TopicSpec(self.topics.references, 1, {"cleanup.policy": "compact"})],
-                      replication_factor=1)
+        create_topics(self.broker.connection(), layout(self.topics, partitions=4), replication_factor=1)
         keyring = workdir / "keyring.json"
         keyring.write_text(json.dumps({KEY_ID: {"secret": SECRET.decode(), "tenants": [SCOPE.tenant],
                                                 "contracts": True}}))

@@ -16,11 +16,20 @@ from monitor.errors import ExitCode
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def _share(value: float) -> float:
+    """A share from 0 to 1 (checked here rather than by typer's range, whose
+    ``[0.0<=x<=1.0]`` does not fit a narrow terminal's option column)."""
+    if not 0.0 <= value <= 1.0:
+        raise typer.BadParameter(f"{value} is not a share from 0 to 1")
+    return value
+
+
 @app.command(context_settings=_PASS_THROUGH)
 def serve(
     ctx: typer.Context,
-    sample_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of requests traced, decided by a "
-                                               "hash of the request's id")] = 0.01,
+    sample_rate: Annotated[float, typer.Option(metavar="SHARE", callback=_share,
+                                               help="share of requests traced, 0 to 1, decided by a hash of "
+                                               "the request's id")] = 0.01,
     rows: Annotated[int, typer.Option(min=1, help="prompt rows per trace")] = 4,
     decode_rows: Annotated[int, typer.Option(min=0, help="decoding steps per trace, spread over the answer plus "
                                              "the last (0: none)")] = 4,

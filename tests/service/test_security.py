@@ -26,7 +26,9 @@ def test_missing_acls_end_the_monitor_with_a_clear_reason_and_granted_acls_let_i
     assert f"topic {topics.contracts} does not exist or this principal may not describe it" in \
         denied.process.log_path.read_text()
 
-    assert apply_acls(scram_broker.connection(), f"User:{user}", "monitor", topics, group) == 23
+    # 4 topics read (2 ACLs each), 5 read and written (3 each: anomalies, dead letters,
+    # observations, judge state, pending outcomes), the group, the transactional ids (2)
+    assert apply_acls(scram_broker.connection(), f"User:{user}", "monitor", topics, group) == 26
     allowed = Monitor(env, tmp_path / "allowed.log", "allowed")
     try:
         allowed.wait_ready(timeout=60)

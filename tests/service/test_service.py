@@ -134,14 +134,15 @@ def test_anomalies_outcomes_joins_poison_and_metrics(kafka_broker, stack, tmp_pa
     text = CliRunner().invoke(app, ["triage", "--incident", incident["incident_id"]], env=env)
     assert text.exit_code == 0, text.output
     assert text.output.count("findings on") == 1 and incident["incident_id"] in text.output
-    shown = re.search(r"(\d+) findings on (\d+) traces .*heads involved: (.*)", text.output)
+    shown = re.search(r"(\d+) findings on (\d+) traces .*\n\s+heads involved: (.*) \(traces whose", text.output)
+    assert shown, text.output
     page_path = tmp_path / "incident.html"
     html = CliRunner().invoke(app, ["triage", "--incident", incident["incident_id"], "--html", str(page_path)], env=env)
     assert html.exit_code == 0, html.output
     page = page_path.read_text()
     field = {name: re.search(rf'data-field="{name}">(\d+)<', page)[1] for name in ("anomalies", "traces")}
     assert (shown[1], shown[2]) == (field["anomalies"], field["traces"])
-    assert shown[3].split(", ") == re.findall(r'<span data-head="([^"]+)"', page)
+    assert [h.split(" (")[0] for h in shown[3].split(", ")] == re.findall(r'<span data-head="([^"]+)"', page)
     unknown = CliRunner().invoke(app, ["triage", "--incident", "no-such-incident"], env=env)
     assert unknown.exit_code == 2 and "no incident 'no-such-incident'" in unknown.output
 
