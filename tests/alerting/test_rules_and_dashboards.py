@@ -232,7 +232,8 @@ def test_provisioning_points_at_the_dashboards():
 def test_the_inhibit_rules_silence_what_they_say_on_the_real_alertmanager(tmp_path):
     """Alerts posted to the Debian Alertmanager on the shipped configuration: a revision's
     low-diversity page inhibits its head-pattern page (not another revision's); the
-    monitor down inhibits its silence about traces; stalled consumption inhibits lag."""
+    monitor down inhibits its silence about traces; stalled consumption inhibits lag; an
+    outcome association (a ticket) on the page's own layer leaves the page alone."""
     webhook = WebhookReceiver()
     am = start_alertmanager(webhook.url, tmp_path / "alertmanager")
     try:
@@ -244,6 +245,9 @@ def test_the_inhibit_rules_silence_what_they_say_on_the_real_alertmanager(tmp_pa
             alert("AttentionLowHeadDiversity", model="m", revision="r", layer="3", **critical),
             alert("AttentionHeadPatternShift", model="m", revision="r", layer="4", **critical),
             alert("AttentionHeadPatternShift", model="m", revision="r2", layer="4", **critical),
+            alert("AttentionLowHeadDiversity", model="m", revision="r3", layer="1", **critical),
+            alert("AttentionAnomalyOutcomeAssociation", model="m", revision="r3", layer="1", kind="low_diversity",
+                  severity="warning"),
             alert("AttentionMonitorDown", instance="monitor:9464", **critical),
             alert("AttentionTracesStalled", instance="monitor:9464", severity="warning"),
             alert("AttentionTracesAbsent", severity="warning"),
@@ -260,6 +264,7 @@ def test_the_inhibit_rules_silence_what_they_say_on_the_real_alertmanager(tmp_pa
 
         expected = {("AttentionLowHeadDiversity", "r"): "active", ("AttentionHeadPatternShift", "r"): "suppressed",
                     ("AttentionHeadPatternShift", "r2"): "active", ("AttentionMonitorDown", ""): "active",
+                    ("AttentionLowHeadDiversity", "r3"): "active", ("AttentionAnomalyOutcomeAssociation", "r3"): "active",
                     ("AttentionTracesStalled", ""): "suppressed", ("AttentionTracesAbsent", ""): "suppressed",
                     ("AttentionConsumerLagHigh", ""): "suppressed"}
         wait_for(lambda: states() == expected, timeout=30, what=f"the inhibitions applied (now {states()})")
