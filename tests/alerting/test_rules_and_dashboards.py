@@ -264,7 +264,8 @@ def test_the_inhibit_rules_silence_what_they_say_on_the_real_alertmanager(tmp_pa
 
         expected = {("AttentionLowHeadDiversity", "r"): "active", ("AttentionHeadPatternShift", "r"): "suppressed",
                     ("AttentionHeadPatternShift", "r2"): "active", ("AttentionMonitorDown", ""): "active",
-                    ("AttentionLowHeadDiversity", "r3"): "active", ("AttentionAnomalyOutcomeAssociation", "r3"): "active",
+                    ("AttentionLowHeadDiversity", "r3"): "active",
+                    ("AttentionAnomalyOutcomeAssociation", "r3"): "active",
                     ("AttentionTracesStalled", ""): "suppressed", ("AttentionTracesAbsent", ""): "suppressed",
                     ("AttentionConsumerLagHigh", ""): "suppressed"}
         wait_for(lambda: states() == expected, timeout=30, what=f"the inhibitions applied (now {states()})")
