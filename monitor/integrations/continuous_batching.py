@@ -46,7 +46,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
 from monitor.integrations.decoding import DecodeRows, Step
-from monitor.integrations.paged_recompute import paged_rows, rows_over_keys
+from monitor.integrations.paged_recompute import on_device, paged_rows, rows_over_keys
 from monitor.integrations.recompute import learned_sinks
 from monitor.integrations.row_sampling import pick_positions
 from monitor.protocol.schema import Scope, TraceHeader
@@ -248,12 +248,12 @@ class ContinuousBatching:
                           (p < entry.stream.prompt_length or p - entry.stream.prompt_length >= rows.decode.steps)]
                 if not wanted:
                     continue
-                positions = torch.tensor(wanted, device=query.device)
-                q = query[0][:, entry.start + positions - entry.past]  # [H, R, d]
+                # host positions: what is read from the cache follows from them without a device read back
+                q = query[0][:, on_device([entry.start + p - entry.past for p in wanted], query.device)]  # [H, R, d]
                 if window:
-                    weights, sink = self._from_keys(entry, q, positions, key, kwargs, scaling, window, softcap, sinks)
+                    weights, sink = self._from_keys(entry, q, wanted, key, kwargs, scaling, window, softcap, sinks)
                 else:
-                    weights, sink = self._from_cache(entry, q, positions, batch.cache, allocator, layer, kwargs,
+                    weights, sink = self._from_cache(entry, q, wanted, batch.cache, allocator, layer, kwargs,
                                                      scaling, softcap, sinks)
                 self._keep(entry.stream, rows, wanted, weights.to(torch.float16).cpu().numpy(),
                            None if sink is None else sink.to(torch.float16).cpu().numpy())
@@ -334,7 +334,7 @@ class ContinuousBatching:
         prompt = [p for p in stream.rows if past <= p < end]
         return (*prompt, *range(max(past, stream.prompt_length), end))
 
-    def _from_cache(self, entry: _Entry, q: torch.Tensor, positions: torch.Tensor, cache: Any, allocator: Any,
+    def _from_cache(self, entry: _Entry, q: torch.Tensor, positions: list[int], cache: Any, allocator: Any,
                     layer: int, kwargs: dict[str, Any], scaling: float, softcap: float | None,
                     sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of a full-attention layer from the paged cache, the current pass's keys
@@ -353,7 +353,7 @@ class ContinuousBatching:
                           block_stride=allocator.block_physical_stride, softcap=softcap, sinks=sinks)
 
     @staticmethod
-    def _from_keys(entry: _Entry, q: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+    def _from_keys(entry: _Entry, q: torch.Tensor, positions: list[int], key: torch.Tensor,
                    kwargs: dict[str, Any], scaling: float, window: int, softcap: float | None,
                    sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of a sliding-window layer from the keys the layer was handed: the request's

@@ -16,6 +16,12 @@ back beside the keys'. Query heads are grouped over KV heads (GQA/MQA) rather th
 repeating the keys. A continuous-batching adapter (transformers' here, a vLLM or SGLang
 attention-backend wrapper elsewhere) only has to say which query rows are which positions
 of which sequence and where that sequence's blocks are.
+
+Nothing here reads a value back from the device: the positions come as host integers (the
+engine's scheduler knows them), the bounds are checked on the host against them and the
+block table's length, and host values go to the device with non-blocking copies. On a GPU
+a call only queues kernels; copying its rows out is the caller's business (see
+docs/serving-engines.md).
 """
 
 from __future__ import annotations
@@ -25,27 +31,57 @@ from collections.abc import Sequence
 import torch
 
 
-def slots(block_table: Sequence[int] | torch.Tensor, positions: torch.Tensor, block_size: int,
-          block_stride: int | None = None) -> torch.Tensor:
-    """The cache slot of each absolute position of a sequence (``positions``, any shape):
+def host_positions(positions: Sequence[int] | torch.Tensor) -> list[int]:
+    """Query positions as host integers: a list, a tuple or a CPU tensor. A tensor on an
+    accelerator is refused: reading its values would make the host wait for the device
+    (a synchronisation inside the forward pass), and the engine knows the positions on the
+    host anyway (its scheduler computed them)."""
+    if isinstance(positions, torch.Tensor):
+        if positions.device.type != "cpu":
+            raise ValueError(f"give the query positions on the host (a list or a CPU tensor), not on "
+                             f"{positions.device}: reading them from the device would synchronise it")
+        return [int(p) for p in positions.reshape(-1).tolist()]
+    return [int(p) for p in positions]
+
+
+def on_device(values: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``; host values are copied without making the
+    host wait for the device (``non_blocking``), a tensor already there is used as it is."""
+    if isinstance(values, torch.Tensor) and values.device == device:
+        return values.long()
+    return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def slots(block_table: Sequence[int] | torch.Tensor, stop: int, block_size: int, *, start: int = 0,
+          block_stride: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """The cache slots of a sequence's positions ``start … stop − 1``:
     ``block_table[p // block_size] * block_stride + p % block_size`` (``block_stride``
-    defaults to ``block_size``)."""
+    defaults to ``block_size``), on ``device`` (the block table's by default: the key cache's
+    for an adapter, which gives it). The bound is checked on the host, against the table's
+    length (a shape): nothing is read back from the device."""
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
-    table = torch.as_tensor(block_table, dtype=torch.long, device=positions.device)
+    if not 0 <= start <= stop:
+        raise ValueError(f"positions {start} … {stop - 1} are not a range of a sequence")
+    length = len(block_table) if not isinstance(block_table, torch.Tensor) else int(block_table.shape[-1])
+    if stop and (stop - 1) // block_size >= length:
+        raise ValueError(f"position {stop - 1} is beyond the {length} blocks of the block table")
+    where = device or (block_table.device if isinstance(block_table, torch.Tensor) else torch.device("cpu"))
+    table = on_device(block_table, where)
+    positions = torch.arange(start, stop, device=where)
     blocks = torch.div(positions, block_size, rounding_mode="floor")
-    if positions.numel() and int(blocks.max()) >= table.numel():
-        raise ValueError(f"position {int(positions.max())} is beyond the {table.numel()} blocks of the block table")
     return table[blocks] * (block_stride or block_size) + positions % block_size
 
 
-def rows_over_keys(query: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, key_positions: torch.Tensor,
-                   scaling: float, *, window: int | None = None, softcap: float | None = None,
+def rows_over_keys(query: torch.Tensor, positions: Sequence[int] | torch.Tensor, keys: torch.Tensor,
+                   key_positions: torch.Tensor, scaling: float, *, window: int | None = None,
+                   softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax weights ``[H, R, K]`` (float32) of query rows ``query [H, R, d]`` at absolute
     ``positions [R]`` over ``keys [G, K, d]`` at absolute ``key_positions [K]``, each row
     seeing only the keys its mask shows; and ``[H, R]`` the learned sink's share of each
-    row (None without ``sinks``, ``[H]`` logits)."""
+    row (None without ``sinks``, ``[H]`` logits). Host ``positions`` are copied to the keys'
+    device without waiting for it."""
     heads, rows, dim = query.shape
     groups, count = keys.shape[0], keys.shape[1]
     if heads % groups:
@@ -54,7 +90,7 @@ def rows_over_keys(query: torch.Tensor, positions: torch.Tensor, keys: torch.Ten
     scores = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(heads, rows, count) * scaling
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    distance = positions.to(key_positions.device)[:, None] - key_positions[None, :]  # [R, K]
+    distance = on_device(positions, key_positions.device)[:, None] - key_positions[None, :]  # [R, K]
     visible = distance >= 0
     if window:
         visible = visible & (distance < window)
@@ -66,7 +102,7 @@ def rows_over_keys(query: torch.Tensor, positions: torch.Tensor, keys: torch.Ten
     return probabilities[..., :-1], probabilities[..., -1]
 
 
-def paged_rows(query: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+def paged_rows(query: torch.Tensor, positions: Sequence[int] | torch.Tensor, key_cache: torch.Tensor,
                block_table: Sequence[int] | torch.Tensor, block_size: int, scaling: float, *,
                block_stride: int | None = None, window: int | None = None, softcap: float | None = None,
                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,16 +111,23 @@ def paged_rows(query: torch.Tensor, positions: torch.Tensor, key_cache: torch.Te
     block_size, G, d]``) through ``block_table``, over the sequence's keys ``0 … P − 1``
     (``P = max(positions) + 1``: every key a row can see is already in the cache); keys a
     row does not see weigh 0. Only the keys some row sees are read. And the learned sink's
-    share ``[H, R]`` (None without ``sinks``)."""
+    share ``[H, R]`` (None without ``sinks``).
+
+    ``positions`` are host integers (a list or a CPU tensor: :func:`host_positions`), which
+    the engine's scheduler knows: the keys to read and the bounds to check follow from them
+    on the host, so the call never makes the host wait for the device. The block table may
+    be on the host or on the cache's device."""
     if key_cache.ndim == 4:  # pages: slot = page * block_size + offset
         key_cache = key_cache.reshape(-1, key_cache.shape[-2], key_cache.shape[-1])
-    if positions.numel() == 0:
+    rows = host_positions(positions)
+    if not rows:
         raise ValueError("give at least one query row")
-    last = int(positions.max()) + 1
-    first = max(0, int(positions.min()) - window + 1) if window else 0
+    last = max(rows) + 1
+    first = max(0, min(rows) - window + 1) if window else 0
+    where = slots(block_table, last, block_size, start=first, block_stride=block_stride, device=key_cache.device)
+    keys = key_cache[where].transpose(0, 1)  # [G, K, d]
     key_positions = torch.arange(first, last, device=key_cache.device)
-    keys = key_cache[slots(block_table, key_positions, block_size, block_stride)].transpose(0, 1)  # [G, K, d]
-    weights, sink = rows_over_keys(query, positions, keys, key_positions, scaling, window=window, softcap=softcap,
+    weights, sink = rows_over_keys(query, rows, keys, key_positions, scaling, window=window, softcap=softcap,
                                    sinks=sinks)
     if first:
         weights = torch.nn.functional.pad(weights, (first, 0))

@@ -31,8 +31,7 @@ def scattered(key: torch.Tensor, stride: int, seed: int) -> tuple[torch.Tensor, 
     blocks = -(-LENGTH // BLOCK)
     table = torch.randperm(20, generator=torch.Generator().manual_seed(seed))[:blocks].tolist()
     cache = torch.randn(20 * stride + BLOCK, GROUPS, DIM)
-    positions = torch.arange(LENGTH)
-    cache[slots(table, positions, BLOCK, stride)] = key[0].transpose(0, 1)
+    cache[slots(table, LENGTH, BLOCK, block_stride=stride)] = key[0].transpose(0, 1)
     return cache, table
 
 
@@ -48,8 +47,8 @@ def test_paged_rows_are_the_dense_rows(window, softcap, with_sinks, stride):
     kwargs = {"sliding_window": window, "softcap": softcap}
     dense, dense_sink = row_weights(query, key, torch.tensor([0]), rows[None], torch.ones(1, LENGTH, dtype=torch.bool),
                                     0, 0.25, None, kwargs, True, sinks)
-    weights, sink = paged_rows(query[0][:, rows], rows, cache, table, BLOCK, 0.25, block_stride=stride, window=window,
-                               softcap=softcap, sinks=sinks)
+    weights, sink = paged_rows(query[0][:, rows], rows.tolist(), cache, torch.tensor(table, dtype=torch.int32), BLOCK,
+                               0.25, block_stride=stride, window=window, softcap=softcap, sinks=sinks)
     assert weights.shape == (HEADS, len(rows), 45)  # over the keys up to the last row
     np.testing.assert_allclose(weights.numpy(), dense[0].numpy(), atol=1e-6)
     if with_sinks:
@@ -87,6 +86,41 @@ def test_bad_input_is_refused_clearly():
     query, key = sequence(7)
     cache, table = scattered(key, BLOCK, 8)
     with pytest.raises(ValueError, match="beyond the 6 blocks"):
-        paged_rows(query[0][:, :1], torch.tensor([60]), cache, table, BLOCK, 0.25)
+        paged_rows(query[0][:, :1], [60], cache, table, BLOCK, 0.25)
+    with pytest.raises(ValueError, match="beyond the 6 blocks"):  # a device table's length is a shape: no read back
+        paged_rows(query[0][:, :1], [48], cache, torch.tensor(table), BLOCK, 0.25)
+    with pytest.raises(ValueError, match="at least one query row"):
+        paged_rows(query[0][:, :0], [], cache, table, BLOCK, 0.25)
     with pytest.raises(ValueError, match="cannot share"):
         rows_over_keys(torch.zeros(3, 1, DIM), torch.tensor([0]), torch.zeros(2, 1, DIM), torch.tensor([0]), 1.0)
+
+
+def test_slots_of_a_range_in_both_layouts():
+    table = [5, 2, 9]
+    assert slots(table, 20, 8).tolist() == [40 + p for p in range(8)] + [16 + p for p in range(8)] + \
+        [72 + p for p in range(4)]
+    assert slots(table, 19, 8, start=17, block_stride=24).tolist() == [9 * 24 + 1, 9 * 24 + 2]
+    assert slots(torch.tensor(table, dtype=torch.int32), 3, 8).dtype == torch.long
+    with pytest.raises(ValueError, match="not a range"):
+        slots(table, 2, 8, start=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a device synchronisation only exists there")
+def test_no_device_synchronisation_on_a_gpu():
+    """Keys, block table and query on the GPU, positions on the host: under
+    ``set_sync_debug_mode("error")`` any read back from the device raises."""
+    query, key = sequence(9)
+    cache, table = scattered(key, 3 * BLOCK, 10)
+    device = torch.device("cuda")
+    rows = [4, 20, 44]
+    dense, _ = paged_rows(query[0][:, rows], rows, cache, table, BLOCK, 0.25, block_stride=3 * BLOCK, window=7)
+    q, cache, table_on_gpu = query[0][:, rows].to(device), cache.to(device), torch.tensor(table, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weights, _ = paged_rows(q, rows, cache, table_on_gpu, BLOCK, 0.25, block_stride=3 * BLOCK, window=7)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    np.testing.assert_allclose(weights.cpu().numpy(), dense.numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="on the host"):
+        paged_rows(q, torch.tensor(rows, device=device), cache, table_on_gpu, BLOCK, 0.25)
