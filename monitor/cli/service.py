@@ -141,7 +141,7 @@ def status(
     targets = url or [f"{'https' if s.metrics_tls_cert else 'http'}://{host}:{s.metrics_port}/metrics"]
     auth = (s.metrics_basic_auth_user, s.metrics_basic_auth_password.get_secret_value()) \
         if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None
-    found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert, fleet=True)
+    found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert)
     typer.echo(report(found, s.reference_traces), nl=False)
     if not found.layers and not found.decisions:
         raise typer.Exit(EXIT_FAILED)

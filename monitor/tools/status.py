@@ -67,12 +67,12 @@ def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
         status.decisions.append({"model": model, "revision": revision, **decision.to_dict()})
 
 
-def from_metrics(status: Status, text: str, fleet: bool = False) -> None:
+def from_metrics(status: Status, text: str) -> None:
     """Add one instance's /metrics to ``status``; called once per instance, it gives the
     fleet's view: traces and unjudged traces add up, a layer's reference is the one
-    holding the most traces, and it is ready when every instance that judges it says so
-    (``fleet``, JUDGING=fleet: when the one that judges it does; the others measure the
-    layer and report 0); outcomes add up too (:mod:`monitor.tools.outcome_status`)."""
+    holding the most traces, and it is ready when the instance that judges it says so
+    (the others measure the layer and report 0); outcomes add up too
+    (:mod:`monitor.tools.outcome_status`)."""
     status.outcomes.add(text)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -90,8 +90,7 @@ def from_metrics(status: Status, text: str, fleet: bool = False) -> None:
             elif sample.name == "attention_reference_ready":
                 ready = sample.value == 1
                 first = (key, sample.name) not in status.live
-                row.ready = ready if first or row.ready is None else (row.ready or ready) if fleet else \
-                    (row.ready and ready)
+                row.ready = ready if first or row.ready is None else row.ready or ready
                 status.live.add((key, sample.name))
             elif sample.name == "attention_reference_traces":
                 first = (key, sample.name) not in status.live
@@ -167,7 +166,7 @@ def report(status: Status, reference_traces: int) -> str:
 
 
 def gather(state_dir: Path | None, urls: list[str], config: DetectorConfig,
-           basic_auth: tuple[str, str] | None = None, cafile: Path | None = None, fleet: bool = False) -> Status:
+           basic_auth: tuple[str, str] | None = None, cafile: Path | None = None) -> Status:
     """The saved state and every instance's /metrics (``urls``) as one view."""
     status = Status()
     if state_dir is not None:
@@ -176,7 +175,7 @@ def gather(state_dir: Path | None, urls: list[str], config: DetectorConfig,
         status.notes.append("no STATE_DIR set: reference state is not saved")
     for url in urls:
         try:
-            from_metrics(status, scrape(url, basic_auth, cafile), fleet)
+            from_metrics(status, scrape(url, basic_auth, cafile))
         except (urllib.error.URLError, OSError, ValueError) as exc:
             status.notes.append(f"the live service at {url} did not answer ({exc}); its view is missing")
     return status

@@ -42,3 +42,15 @@ def test_open_incidents_show_the_heads_their_gauge_names():
     row = status.layers[("m", "r", 2)]
     assert row.incidents == ["diversity"] and row.heads == {"diversity": {"head-1": 3.0, "head-4": 9.0}}
     assert report(status, 200).splitlines()[1].endswith("diversity: head-4 (9), head-1 (3)")
+
+
+def test_a_layer_is_ready_when_the_instance_that_judges_it_says_so():
+    """Every instance measures the layer, one judges it: the others export 0, whichever
+    order the instances are scraped in."""
+    judge = 'attention_reference_ready{model="m",revision="r",layer="0"} 1\n'
+    other = 'attention_reference_ready{model="m",revision="r",layer="0"} 0\n'
+    for order in ((judge, other), (other, judge), (other, other)):
+        status = Status()
+        for text in order:
+            from_metrics(status, text)
+        assert status.layers[("m", "r", 0)].ready is (judge in order)
