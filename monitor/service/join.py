@@ -23,7 +23,8 @@ from monitor.core.join import JoinBuffer, Joined
 from monitor.core.metrics import HeadMetrics
 from monitor.core.outcome import PENDING, Outcome
 from monitor.protocol.records import Record, TraceIdentity
-from monitor.service.exporter import LayerSeries, MonitorMetrics
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.layer_series import LayerSeries
 
 __all__ = ["Join", "Waiting"]
 
