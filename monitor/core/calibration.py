@@ -14,7 +14,7 @@ Scale
     detector divides a trace's effects by it (never by less than 1), so a CUSUM sees
     increments of about unit variance on healthy traffic, as its thresholds assume.
 
-Page thresholds
+Thresholds
     :func:`page_arl` turns a false-page budget into the in-control run length every
     stream must have: with ``S`` streams in a revision, each seeing one trace a request
     at ``rate`` requests a second, a revision-week holds ``rate · 604800`` observations of
@@ -23,20 +23,25 @@ Page thresholds
     layers or heads adds streams and raises every stream's threshold, so the revision's
     expected false pages stay at ``B`` a week.
 
-    :func:`page_threshold` turns that run length into the threshold ``h``, correcting for
-    the reference's estimation error. A reference learnt from ``n`` traces predicts each
-    stream's mean with an error of about ``1/√n`` of its deviation, a different error for
-    every stream and fixed as long as the reference judges (measured by replaying 120,000
+    :func:`corrected_threshold` turns a run length into the threshold ``h``, correcting
+    for the reference's estimation error. A reference learnt from ``n`` traces predicts
+    each stream's mean with an error of about ``1/√n`` of its deviation, a different error
+    for every stream and fixed as long as the reference judges (measured by replaying
     healthy requests of two corpora: the standardised streams' means spread with a
     standard deviation of 0.05–0.09 at ``n = 200``; ``benchmarks/false_pages.py``). A
     stream whose mean is off by ``b`` feeds its CUSUM increments of mean ``b − k``, not
-    ``−k``, and its run length shrinks exponentially with ``b``: a threshold from the
-    unbiased model (Siegmund's, ``h ≈ 20.4`` for 366 streams at one request a second) let
-    the replay's most biased streams reach it, nine crossings in 358,800 requests where
-    the budget allows 0.03. So ``h`` is the threshold whose false-alarm rate *averaged
-    over that error*, ``E_b[1 / ARL(h; b − k)]`` with ``b ~ N(0, 1/n)`` (Siegmund's
-    approximation for drift ``b − k``), is ``1 / ARL``: 26.5 for those 366 streams. The
-    detector does not use it yet (docs/detection.md says why and what it changes).
+    ``−k``, and its run length shrinks exponentially with ``b``: thresholds from the
+    unbiased model (Siegmund's) let the replay's most biased streams page and find far
+    more often than their budgets allow (docs/detection.md). So ``h`` is the threshold
+    whose false-alarm rate *averaged over that error*, ``E_b[1 / ARL(h; b − k)]`` with
+    ``b ~ N(0, 1/n)`` (Siegmund's approximation for drift ``b − k``), is ``1 / ARL``, and
+    never more than ``MAX_CORRECTION`` times the unbiased model's.
+
+    The detector (:mod:`monitor.core.detect`) computes both of its thresholds so, with
+    ``n = REFERENCE_TRACES``: the page threshold from :func:`page_arl`
+    (``FALSE_PAGES_PER_WEEK``) and the finding threshold from ``FALSE_ALARM_ARL``. The
+    correction shrinks as the reference grows; a small reference gets higher thresholds,
+    so a fault takes more traces to be found and to page.
 """
 
 from __future__ import annotations
@@ -129,13 +134,13 @@ def false_alarm_rate(h: float, k: float, reference_traces: int) -> float:
                                                                                     strict=True)))
 
 
-#: the page threshold is at most this many times the unbiased model's (a reference too
-#: small for its budget then pages somewhat more often than the budget, never not at all)
+#: a corrected threshold is at most this many times the unbiased model's (a reference too
+#: small for its budget then finds and pages more often than the budget, never not at all)
 MAX_CORRECTION = 2.0
 
 
 @functools.lru_cache(maxsize=256)
-def page_threshold(arl: float, k: float, reference_traces: int) -> float:
+def corrected_threshold(arl: float, k: float, reference_traces: int) -> float:
     """``h`` whose expected false-alarm rate over the reference's estimation error
     (:func:`false_alarm_rate`) is ``1 / arl`` (see the module documentation), between
     the unbiased model's threshold and ``MAX_CORRECTION`` times it."""

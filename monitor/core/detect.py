@@ -29,20 +29,26 @@ Decision
     ``z ≥ min_effect``; the *page* CUSUM, with a higher threshold, marks the anomaly
     ``pages`` when it crosses (the incident tracker opens an incident on it); each
     restarts at 0 when it crosses. With the defaults a collapse of 10 sd is a finding
-    after six traces and pages after nine; a 1 sd shift takes tens of traces.
+    after seven traces and pages after eleven (MiniLM's 6 layers of 12 heads at a request
+    a second); a 1 sd shift takes tens of traces.
 
 Calibration
     Findings: ``h`` makes the in-control average run length (expected traces between
-    false findings) of one (layer, kind) ``false_alarm_arl``, by Siegmund's approximation
-    for a CUSUM of unit-variance normal increments, ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)``
-    with ``b = h + 1.166``: head kinds have one stream per head, each calibrated to
-    ``H · false_alarm_arl`` (a two-sided sink test to twice that per side); low diversity
-    has the layer's stream and the heads' similarity streams. Pages: every stream of a
-    revision gets the run length that spends ``false_pages_per_week`` over all of the
+    false findings) of one (layer, kind) ``false_alarm_arl`` (``FALSE_ALARM_ARL``): head
+    kinds have one stream per head, each calibrated to ``H · false_alarm_arl`` (a
+    two-sided sink test to twice that per side); low diversity has the layer's stream and
+    the heads' similarity streams. Pages: every stream of a revision gets the run length
+    that spends ``false_pages_per_week`` (``FALSE_PAGES_PER_WEEK``) over all of the
     revision's streams at its observed request rate (at least 1 a second;
-    :func:`~monitor.core.calibration.page_arl`). The effect-size gate only removes
-    alarms, so the realised rates are at most those. The defaults were chosen on real
-    traffic of a real checkpoint (``benchmarks/soak.py``, ``docs/detection.md``).
+    :func:`~monitor.core.calibration.page_arl`). Both thresholds come from Siegmund's
+    approximation for a CUSUM of unit-variance normal increments,
+    ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)`` with ``b = h + 1.166``, averaged over the error
+    of a reference of ``reference_traces`` traces (``REFERENCE_TRACES``) in each stream's
+    mean (:func:`~monitor.core.calibration.corrected_threshold`): without that
+    correction healthy replays paged and found many times more often than the budgets.
+    The effect-size gate only removes alarms, so the realised rates are at most those.
+    The defaults were chosen on real traffic of a real checkpoint (``benchmarks/soak.py``,
+    ``benchmarks/false_pages.py``, ``docs/detection.md``).
 
 Many traces at once
     Standardising a trace is array work that does not depend on the traces before it
@@ -64,7 +70,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from monitor.core.calibration import RATE_FLOOR, cross_fitted_scale, page_arl
+from monitor.core.calibration import RATE_FLOOR, corrected_threshold, cross_fitted_scale, page_arl
 from monitor.core.converging import named_heads
 from monitor.core.key_state import (
     RATE_WINDOW,
@@ -124,7 +130,9 @@ def _rounded_up(rate: float | None) -> float:
 
 @functools.lru_cache(maxsize=256)
 def cusum_threshold(arl: float, k: float) -> float:
-    """``h`` with Siegmund's in-control ARL of a one-sided CUSUM equal to ``arl``."""
+    """``h`` with Siegmund's in-control ARL of a one-sided CUSUM equal to ``arl`` (for an
+    exact reference; the detector's thresholds also allow for its estimation error:
+    :func:`~monitor.core.calibration.corrected_threshold`)."""
     if arl <= 1 or k <= 0:
         raise ValueError("arl must exceed 1 and k must be positive")
 
@@ -373,12 +381,13 @@ class Detector:
         return found, evidence
 
     def _threshold(self, streams: int) -> float:
-        return cusum_threshold(self.config.false_alarm_arl * streams, self._k)
+        return corrected_threshold(self.config.false_alarm_arl * streams, self._k, self.config.reference_traces)
 
     def page_threshold(self, key: LayerKey, ref_revision: str) -> float:
         """Every stream's page threshold for the revision of ``key``: the false-page
         budget split over all the streams of the reference revision's layers, at the
-        layer's observed request rate rounded up to a quarter octave. Worked out again
+        layer's observed request rate rounded up to a quarter octave, corrected for the
+        reference's estimation error (``REFERENCE_TRACES``). Worked out again
         when the references change or every ``RATE_WINDOW / 8`` traces."""
         layer = self._evidence.get(key)
         timed = 0 if layer is None else len(layer.times)
@@ -389,7 +398,8 @@ class Detector:
         streams = sum(self._judged_streams(r) for k, r in self.references.items()
                       if k[0] == model and k[1] == ref_revision)
         arl = page_arl(streams, _rounded_up(self.rate(key)), self.config.false_pages_per_week)
-        h = cusum_threshold(max(arl, 2.0), self._k)  # a budget beyond a page a trace: every crossing pages
+        # a budget beyond a page a trace: every crossing pages
+        h = corrected_threshold(max(arl, 2.0), self._k, self.config.reference_traces)
         if layer is not None:
             layer.page_h = (self._references_version, timed, h)
         return h

@@ -48,13 +48,42 @@ def test_the_threshold_corrected_for_the_references_estimation_error():
     (b ~ N(0, 1/200) in standardised units) the 366 streams of all-MiniLM-L6-v2 at one
     request a second need 26.5 instead of 20.4 (the replay's figure); larger budgets and
     smaller references need more, at most twice the uncorrected threshold."""
-    from monitor.core.calibration import MAX_CORRECTION, false_alarm_rate, page_arl, page_threshold
+    from monitor.core.calibration import MAX_CORRECTION, corrected_threshold, false_alarm_rate, page_arl
     from monitor.core.detect import cusum_threshold
 
     arl = page_arl(366, 1.0, 0.05)
-    assert page_threshold(arl, 0.5, 10**12) == pytest.approx(cusum_threshold(arl, 0.5), abs=0.01)
-    corrected = page_threshold(arl, 0.5, 200)
+    assert corrected_threshold(arl, 0.5, 10**12) == pytest.approx(cusum_threshold(arl, 0.5), abs=0.01)
+    corrected = corrected_threshold(arl, 0.5, 200)
     assert corrected == pytest.approx(26.5, abs=0.1)
     assert false_alarm_rate(corrected, 0.5, 200) == pytest.approx(1 / arl, rel=1e-3)
-    assert page_threshold(page_arl(3864, 100.0, 0.05), 0.5, 200) > corrected
-    assert page_threshold(arl, 0.5, 30) == pytest.approx(MAX_CORRECTION * cusum_threshold(arl, 0.5), rel=1e-6)
+    assert corrected_threshold(page_arl(3864, 100.0, 0.05), 0.5, 200) > corrected
+    assert corrected_threshold(arl, 0.5, 30) == pytest.approx(MAX_CORRECTION * cusum_threshold(arl, 0.5), rel=1e-6)
+
+
+
+def test_the_detector_pages_by_the_corrected_threshold():
+    """The page threshold of a ready revision of MiniLM's shape (6 layers of 12 heads, 366
+    streams) at a request a second allows for the estimation error of its
+    ``REFERENCE_TRACES``-trace reference: 26.5 at 200 traces where Siegmund's unbiased
+    model gives 20.4, and more for a smaller reference."""
+    from monitor.core.calibration import corrected_threshold, page_arl
+    from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold
+    from monitor.core.metrics import head_metrics
+
+    rng = np.random.default_rng(0)
+    heads = tuple(f"head-{h}" for h in range(12))
+    metrics = [head_metrics(rng.dirichlet(np.ones(16), size=(12, 4)).astype(np.float32)) for _ in range(8)]
+
+    def page_threshold(reference_traces: int) -> float:
+        detector = Detector(DetectorConfig(reference_traces=reference_traces))
+        for layer in range(6):
+            for i in range(reference_traces):
+                detector.observe(Observation("m", "r", layer, 16, heads, metrics[i % len(metrics)], 1e9 + i))
+        return detector.page_threshold(("m", "r", 0), "r")
+
+    arl = page_arl(366, 1.0, 0.05)
+    at_200 = page_threshold(200)
+    assert at_200 == pytest.approx(corrected_threshold(arl, 0.5, 200), rel=1e-9)
+    assert at_200 == pytest.approx(26.5, abs=0.1) and cusum_threshold(arl, 0.5) == pytest.approx(20.35, abs=0.01)
+    at_50 = page_threshold(50)
+    assert at_50 == pytest.approx(corrected_threshold(arl, 0.5, 50), rel=1e-9) and at_50 > at_200
