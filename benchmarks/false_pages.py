@@ -32,7 +32,12 @@ teach the reference, the rest are judged. Printed, per corpus and order and in t
   the budget), say whether it holds;
 - the crossings of a ladder of thresholds per stream-trace against each model's
   prediction: how the tail of the page statistic grows toward the threshold, which the
-  maximum alone cannot show at this volume.
+  maximum alone cannot show at this volume;
+- a third model, *fitted*: each stream's increments normal with the mean and variance
+  the replay measured of them (Siegmund's ARL for that drift and scale): its ladder
+  against the observed one, and the page-threshold crossings per revision-week at one
+  request a second it implies, beside the budget (what no replay of this length can
+  count directly).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import numpy as np
 
 from benchmarks.corpus import CORPORA
 from benchmarks.corpus import requests as corpus_requests
-from monitor.core.calibration import false_alarm_rate, page_arl
+from monitor.core.calibration import WEEK_S, cusum_run_length, false_alarm_rate, page_arl
 from monitor.core.detect import Detector, DetectorConfig, Observation, cusum_threshold
 from monitor.core.metrics import HeadMetrics, head_metrics
 
@@ -267,6 +272,13 @@ def exceedance(maxima: np.ndarray, n: int, k: float, reference_traces: int | Non
     return -np.expm1(-n * rates).reshape(np.shape(maxima))
 
 
+def fitted_rates(h: float, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """Per stream, false alarms per observation of a CUSUM with threshold ``h`` whose
+    increments are normal with ``mean`` and ``var`` (Siegmund's ARL in units of their sd)."""
+    sd = np.sqrt(np.maximum(var, 1e-12))
+    return np.array([math.exp(-cusum_run_length(h / s, m / s)) for m, s in zip(mean, sd, strict=True)])
+
+
 def report(runs: Sequence[Run], k: float, reference_traces: int, log: Any = print) -> dict[str, Any]:
     """Print and return the figures of the module documentation over ``runs``."""
     summary: dict[str, Any] = {"runs": []}
@@ -299,6 +311,14 @@ def report(runs: Sequence[Run], k: float, reference_traces: int, log: Any = prin
                               "ladder_predicted": predicted.tolist()}
         z_var = run.steps_var[run.observed]
         z_mean = run.steps_mean[run.observed]
+        fitted = np.array([fitted_rates(h, z_mean, z_var).sum() for h in LADDER]) / z_mean.size
+        per_week = float(fitted_rates(run.page_threshold, z_mean, z_var).sum()) * WEEK_S
+        log("  model 'fitted' (each stream's measured increment mean and variance): crossings per stream-trace, "
+            "observed / predicted: " + ", ".join(f"h={h:g}: {o:.2e}/{e:.2e}" for h, o, e in
+                                                  zip(LADDER, rates, fitted, strict=True)))
+        log(f"    page-threshold crossings it implies per revision-week at 1 request/s: {per_week:.3g} "
+            f"(the budget: {z_mean.size * WEEK_S / run.page_arl:.3g})")
+        figures["fitted"] = {"ladder_predicted": fitted.tolist(), "pages_per_week": per_week}
         log(f"  increments z - k of the {z_mean.size} streams judged: mean {float(z_mean.mean()):+.3f} (model -{k}), "
             f"largest stream mean {float(z_mean.max()):+.3f}; variance median "
             f"{float(np.median(z_var)):.2f}, largest {float(z_var.max()):.2f} (model 1)")

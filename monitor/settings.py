@@ -76,7 +76,9 @@ class Settings(BaseSettings):
 
     # Detection and join
     reference_traces: int = Field(DetectorConfig.reference_traces, gt=1, description="traces of a revision, of "
-                                  "any lengths, its reference learns before it judges (docs/detection.md)")
+                                  "any lengths, its reference learns before it judges; the finding and page "
+                                  "thresholds allow for the error of a reference this size, so a smaller one "
+                                  "judges with higher thresholds (docs/detection.md)")
     reference_pool: int = Field(DetectorConfig.pool, gt=1, description="traces of the nearest lengths a reference "
                                 "pools to judge one trace")
     false_alarm_arl: float = Field(DetectorConfig.false_alarm_arl, gt=1, description="expected traces between false "

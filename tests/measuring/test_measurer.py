@@ -145,7 +145,7 @@ def test_judging_a_chunk_together_gives_each_trace_its_own_verdict_around_a_dupl
     """The detector works out a chunk's traces together before judging them in order; a
     duplicate in the middle must not shift any trace onto another's numbers."""
     values = [make_record(i, layer=i % 2) for i in range(12)]
-    values += [values[5]] + [make_record(100 + i, layer=1, collapse=0.9) for i in range(6)]
+    values += [values[5]] + [make_record(100 + i, layer=1, collapse=0.9) for i in range(12)]
     values += [make_record(200 + i, layer=0) for i in range(3)]
     records = [Record("traces", 0, i, b"k", v) for i, v in enumerate(values)]
     together = make_measurer().measure(records)

@@ -129,7 +129,7 @@ def test_a_judge_judges_by_the_revision_its_record_key_names_whatever_its_own_pi
     judge = Detector(DetectorConfig(reference_traces=40))  # no pins of its own
     for o in measured(HEALTHY, 40, seed=0):
         judge.observe(o.observation())
-    canary = forwarded(measured(COLLAPSED, 10, seed=1))
+    canary = forwarded(measured(COLLAPSED, 20, seed=1))  # a 40-trace reference: thresholds allow for its error
     key, entries = read(judge_key("scenario-lm", "rev-1"), encode(canary))
     assert key == ("scenario-lm", "rev-1") and {e.judged_by for e in entries} == {"rev-1"}
     verdicts = [judge.observe(e.observation()) for e in entries]

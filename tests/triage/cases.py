@@ -20,9 +20,11 @@ COLLAPSED = Scenario(revision="r2", faults=(Fault("collapse", 2, (1, 2, 3, 4)),)
 COLLAPSED_HEADS = {"head-1", "head-2", "head-3", "head-4"}
 
 
-def records(collapsed_requests: int = 12, seed: int = 0, failure_rate: float = 0.5) -> list[dict[str, Any]]:
+def records(collapsed_requests: int = 20, seed: int = 0, failure_rate: float = 0.5) -> list[dict[str, Any]]:
     """The records of 100 healthy requests then ``collapsed_requests`` collapsed ones;
-    anomalous traces fail with ``failure_rate``, the others with 0.1."""
+    anomalous traces fail with ``failure_rate``, the others with 0.1. The collapse pages
+    on about its 16th request: the page threshold of a 100-trace reference allows for its
+    estimation error (twice that of an exact reference)."""
     rng = np.random.default_rng(seed)
     detector = Detector(DetectorConfig(reference_traces=100, pins={("scenario-lm", "r2"): "r1"}))
     incidents = IncidentTracker(quiet=600)
