@@ -4,11 +4,10 @@ batch, prompts prefilled in chunks, keys in a paged cache.
 Under continuous batching the model's forward pass gets one packed sequence: the query
 tokens of every request of the batch one after the other (``cu_seq_lens_q``), keys per
 request from the paged cache, and the cache object itself (``cache``). Which request is
-which slice, and at which positions, is known to the manager's batch processor: its
-batch's request states in packing order, each with its query length and (already
-advanced) position offset. Before each forward pass the tap finds that batch processor
-(by looking up the calling frames once per cache) and reads the batch; no manager needs
-to be handed to the tap, and one started before :func:`attach` is traced as well.
+which slice, and at which positions, is known to the manager's batch processor. Before
+each forward pass the tap finds that processor and reads its batch, checked against the
+pass (:mod:`~monitor.integrations.batch_processor`); no manager needs to be handed to
+the tap, and one started before :func:`attach` is traced as well.
 
 A sampled request becomes a :class:`Stream`, traced under the engine's request id, or
 under the id :meth:`ContinuousBatching.identify` gave it (a server's completion id). Its
@@ -22,101 +21,56 @@ chunk saw). Decoding steps are kept as in ``generate`` (:mod:`~monitor.integrati
 decoding`), each recomputed in its own pass. A request's traces are published once, when
 the manager delivers its last output (the output router of the manager is wrapped for
 that); a cancelled or failed request's traces are published with the rows it got, when
-its prompt rows are all there, else counted as untraced. What cannot be read (an
-unrecognised batch processor, a graph being captured) is served untraced and counted.
+its prompt rows are all there, else counted as untraced. What cannot be read (a batch
+processor of another layout, a batch that does not match its pass, a graph being
+captured) is served untraced, counted by reason and said once.
+
+Several returned sequences (``num_return_sequences = n``): the engine prefills a request's
+prompt but its last token, then forks it into ``n − 1`` children ``<id>__child#<i>``
+sharing its cached keys. A child follows its parent: traced when the parent is sampled,
+under ``<traced id>__child-<i>`` (``#`` is no request-id character; an id given to
+:meth:`ContinuousBatching.identify` for the child's engine id wins), with the parent's
+prompt rows and its own decoding steps. So a sampled request gives one trace per returned
+sequence and layer, an unsampled one none.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+import re
 import threading
 import time
-import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from numpy.typing import NDArray
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
+from monitor.integrations.batch_processor import (
+    WRITTEN_FOR,
+    Member,
+    ProcessorLookup,
+    Unreadable,
+    batch_members,
+    check_against_pass,
+    present,
+)
 from monitor.integrations.decoding import DecodeRows, Step
 from monitor.integrations.paged_recompute import on_device, paged_rows, rows_over_keys
 from monitor.integrations.recompute import learned_sinks
 from monitor.integrations.row_sampling import pick_positions
-from monitor.protocol.schema import Scope, TraceHeader
+from monitor.integrations.traced_request import LayerRows, Stream
+from monitor.protocol.schema import Scope
 
 log = logging.getLogger(__name__)
 _DECIDED = 65_536  #: request ids whose sampling decision is remembered
-
-
-@dataclass
-class _LayerRows:
-    prompt: dict[int, tuple[NDArray[np.float16], NDArray[np.float16] | None]]  #: position → [H, position+1], [H]
-    decode: DecodeRows
-
-
-@dataclass
-class Stream:
-    """One traced request of a continuous-batching manager, across the passes serving it."""
-
-    engine_id: str
-    request_id: str
-    scope: Scope
-    timestamp: float
-    prompt_length: int
-    rows: tuple[int, ...]  #: the prompt positions traced
-    processor: weakref.ref[Any]
-    decode_rows: int
-    layers: dict[int, _LayerRows] = field(default_factory=dict)
-    closed: bool = False
-
-    def layer(self, number: int) -> _LayerRows:
-        found = self.layers.get(number)
-        if found is None:
-            found = self.layers[number] = _LayerRows({}, DecodeRows(self.decode_rows))
-        return found
-
-    def complete(self) -> bool:
-        """Whether every traced layer has all its prompt rows."""
-        return bool(self.layers) and all(len(rows.prompt) == len(self.rows) for rows in self.layers.values())
-
-    def traces(self, templates: dict[int, TraceHeader]) -> list[tuple[Any, ...]]:
-        """Header, weights ``[H, rows, keys]`` (and the learned sink's mass) of each layer:
-        the prompt rows, then the decoding steps kept, over every key up to the last row."""
-        out: list[tuple[Any, ...]] = []
-        for number, rows in sorted(self.layers.items()):
-            steps = rows.decode.chosen()
-            prompt = sorted(rows.prompt)
-            if not prompt and not steps:
-                continue
-            keys = steps[-1].keys if steps else self.prompt_length
-            heads = (rows.prompt[prompt[0]][0] if prompt else steps[0].weights[0]).shape[0]
-            weights = np.zeros((heads, len(prompt) + len(steps), keys), np.float16)
-            sinks: list[NDArray[np.float16] | None] = []
-            for r, position in enumerate(prompt):
-                row, sink = rows.prompt[position]
-                weights[:, r, : row.shape[-1]] = row
-                sinks.append(sink)
-            for r, step in enumerate(steps, start=len(prompt)):
-                weights[:, r, : step.keys] = step.weights[0]
-                sinks.append(None if step.sink is None else step.sink[0])
-            extra = {"prompt_length": self.prompt_length} if steps else {}
-            header = templates[number].model_copy(update={
-                "trace_id": f"{self.request_id}/{number}/{uuid.uuid4().hex[:12]}" if len(self.request_id) <= 100
-                else uuid.uuid4().hex,
-                "request_id": self.request_id, "query_positions": (*prompt, *(s.position for s in steps)),
-                "key_count": keys, "scope": self.scope, "timestamp": self.timestamp, **extra})
-            if any(s is None for s in sinks):
-                out.append((header, weights))
-            else:
-                out.append((header, weights, np.stack([s for s in sinks if s is not None], axis=-1)))
-        return out
+_CHILD = re.compile(r"^(?P<parent>.+)__child#(?P<index>[0-9]+)$")  #: a forked returned sequence's engine id
 
 
 @dataclass(frozen=True)
@@ -152,10 +106,14 @@ class ContinuousBatching:
         self._streams: dict[str, Stream] = {}
         self._decided: OrderedDict[str, bool] = OrderedDict()
         self._names: OrderedDict[str, tuple[str, Scope | None]] = OrderedDict()
-        self._processors: dict[int, weakref.ref[Any]] = {}  #: id(cache) → its batch processor
+        self._lookup = ProcessorLookup()
         self._routers: dict[int, tuple[Any, Callable[..., Any], Callable[..., Any]]] = {}
 
     # --- the model owner's verbs ----------------------------------------------------------
+
+    def watch(self, model: Any) -> None:
+        """Remember the managers ``model`` makes from now on (where their processors are)."""
+        self._lookup.watch(model)
 
     def identify(self, engine_id: str, request_id: str, scope: Scope | None) -> None:
         with self._lock:
@@ -170,10 +128,11 @@ class ContinuousBatching:
         with self._lock:
             for stream in list(self._streams.values()):
                 processor = stream.processor()
-                if everything or processor is None or not _present(processor, stream.engine_id):
+                if everything or processor is None or not present(processor, stream.engine_id):
                     self._finish(stream.engine_id, "cancelled")
 
     def close(self) -> None:
+        self._lookup.close()
         self.sweep(everything=True)
         with self._lock:
             for router, deliver_batch, deliver in self._routers.values():
@@ -195,27 +154,33 @@ class ContinuousBatching:
             self._untraced("accelerator_graph", "continuous batching under CUDA graphs: captured passes are replayed "
                            "without Python, so nothing is traced (disable use_cuda_graph to trace)")
             return True
-        processor = self._processor(cache)
-        if processor is None:
-            self._untraced("continuous_batching_unreadable", "the continuous-batching pass came from no batch "
-                           "processor the tap recognises: served untraced")
+        try:
+            processor = self._lookup.find(cache)
+            members = batch_members(processor)
+        except Unreadable as exc:
+            self._untraced("continuous_batching_unreadable", str(exc))
             return True
         self._watch(processor)
-        entries = []
-        start = 0
+        entries: list[_Entry] = []
+        traced: list[Member] = []
         with self._lock:
-            for index, future in enumerate(_batch_requests(processor)):
-                state, length = future.state, int(future.query_length)
-                past = int(state.position_offset) - length
-                stream = self._streams.get(state.request_id) or self._open(state, past, processor)
+            for index, member in enumerate(members):
+                stream = self._streams.get(member.state.request_id) or self._open(member.state, member.past,
+                                                                                  processor)
                 if stream is not None:
-                    positions = self._positions(stream, past, length)
+                    positions = self._positions(stream, member.past, member.length)
                     if positions:
-                        entries.append(_Entry(stream, index, start, past, length, positions))
-                start += length
+                        entries.append(_Entry(stream, index, member.start, member.past, member.length, positions))
+                        traced.append(member)
             for stream in list(self._streams.values()):  # cancelled since the last pass
-                if stream.processor() is processor and not _present(processor, stream.engine_id):
+                if stream.processor() is processor and not present(processor, stream.engine_id):
                     self._finish(stream.engine_id, "cancelled")
+        if entries:
+            try:
+                check_against_pass(members, traced, kwargs)
+            except Unreadable as exc:
+                self._refuse(entries, str(exc))
+                return True
         self._local.batch = _Batch(cache, tuple(entries)) if entries else None
         return True
 
@@ -233,6 +198,17 @@ class ContinuousBatching:
         layer = self._layer_of(module)
         if layer not in self.layers:
             return
+        try:
+            self._around(batch, layer, module, query, key, kwargs)
+        except AttributeError as exc:  # the paged cache is laid out otherwise
+            self._local.batch = None
+            missing = exc.name or "attribute"
+            self._refuse(batch.entries, f"transformers {transformers.__version__}'s paged cache has no {missing} "
+                         f"({exc}); the tap reads the layout of transformers {WRITTEN_FOR}, so the pass is served "
+                         "untraced")
+
+    def _around(self, batch: _Batch, layer: int, module: Any, query: torch.Tensor, key: torch.Tensor,
+                kwargs: dict[str, Any]) -> None:
         allocator = batch.cache.layer_to_allocator.get(layer)
         window = getattr(allocator, "sliding_window", None) if getattr(allocator, "layer_type", "") == \
             "sliding_attention" else None
@@ -260,21 +236,15 @@ class ContinuousBatching:
 
     # --- the pieces ----------------------------------------------------------------------------
 
-    def _processor(self, cache: Any) -> Any:
-        """The batch processor whose cache this is: remembered, else found among the
-        calling frames (the pass runs inside its generation step)."""
-        found = self._processors.get(id(cache))
-        processor = found() if found is not None else None
-        if processor is not None and processor.cache is cache:
-            return processor
-        frame = sys._getframe(2)
-        while frame is not None:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, ContinuousBatchProcessor) and candidate.cache is cache:
-                self._processors[id(cache)] = weakref.ref(candidate)
-                return candidate
-            frame = frame.f_back  # type: ignore[assignment]
-        return None
+    def _refuse(self, entries: Sequence[_Entry], message: str) -> None:
+        """A pass whose batch or cache could not be read right: its traced requests are
+        never published (what was read of them cannot be trusted) nor reopened."""
+        self._untraced("continuous_batching_unreadable", message)
+        with self._lock:
+            for entry in entries:
+                entry.stream.closed = True
+                self._streams.pop(entry.stream.engine_id, None)
+                self._decide(entry.stream.engine_id, False)
 
     def _watch(self, processor: Any) -> None:
         """Wrap the processor's output router once: a finished request's traces go out when
@@ -312,12 +282,13 @@ class ContinuousBatching:
         decided = self._decided.get(engine_id)
         if decided is False:
             return None
-        request_id, scope = self._names.pop(engine_id, (engine_id, None))
+        named = self._names.pop(engine_id, None)
+        fork = _CHILD.match(engine_id)
+        if fork is not None and decided is None and fork["parent"] in self._decided:
+            return self._fork(engine_id, fork["parent"], int(fork["index"]), named, processor)
+        request_id, scope = named or (f"{fork['parent']}__child-{fork['index']}" if fork else engine_id, None)
         if decided is None:
-            decided = self._traceable(request_id) and self._sampled(request_id)
-            self._decided[engine_id] = decided
-            while len(self._decided) > _DECIDED:
-                self._decided.popitem(last=False)
+            decided = self._decide(engine_id, self._traceable(request_id) and self._sampled(request_id))
             if not decided:
                 return None
         prompt = int(getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens))
@@ -326,6 +297,33 @@ class ContinuousBatching:
                         weakref.ref(processor), self.decode_rows)
         self._streams[engine_id] = stream
         return stream
+
+    def _fork(self, engine_id: str, parent_id: str, index: int, named: tuple[str, Scope | None] | None,
+              processor: Any) -> Stream | None:
+        """A returned sequence the engine forked from a request it serves: traced when its
+        parent is, with the parent's plan and prompt rows (its cached keys are the parent's)."""
+        parent = self._streams.get(parent_id)
+        if not self._decided[parent_id] or parent is None:
+            if self._decided[parent_id]:  # the parent's trace is gone (it finished or was cancelled)
+                self._untraced("returned_sequence", "a returned sequence forked after its request's trace was "
+                               "published is not traced")
+            self._decide(engine_id, False)
+            return None
+        request_id = named[0] if named else f"{parent.request_id}__child-{index}"
+        if not self._decide(engine_id, self._traceable(request_id)):
+            return None
+        stream = Stream(engine_id, request_id, (named[1] if named else None) or parent.scope, parent.timestamp,
+                        parent.prompt_length, parent.rows, weakref.ref(processor), self.decode_rows)
+        stream.layers = {number: LayerRows(dict(rows.prompt), DecodeRows(self.decode_rows))
+                         for number, rows in parent.layers.items()}
+        self._streams[engine_id] = stream
+        return stream
+
+    def _decide(self, engine_id: str, decided: bool) -> bool:
+        self._decided[engine_id] = decided
+        while len(self._decided) > _DECIDED:
+            self._decided.popitem(last=False)
+        return decided
 
     @staticmethod
     def _positions(stream: Stream, past: int, length: int) -> tuple[int, ...]:
@@ -366,7 +364,7 @@ class ContinuousBatching:
                                        softcap=softcap, sinks=sinks)
         return torch.nn.functional.pad(weights, (origin, 0)), sink
 
-    def _keep(self, stream: Stream, rows: _LayerRows, positions: list[int], weights: NDArray[np.float16],
+    def _keep(self, stream: Stream, rows: LayerRows, positions: list[int], weights: NDArray[np.float16],
               sink: NDArray[np.float16] | None) -> None:
         for r, position in enumerate(positions):
             row = weights[:, r, : position + 1]
@@ -394,16 +392,3 @@ class ContinuousBatching:
             return
         self._publish(stream)
 
-
-def _batch_requests(processor: Any) -> list[Any]:
-    """The request states of the processor's current batch, in packing order."""
-    ios = processor.inputs_and_outputs
-    pairs = getattr(ios, "io_pairs", None)
-    if pairs is not None:  # asynchronous batching: the pair of the batch being computed
-        ios = pairs[ios.current_pair].host_io
-    return list(ios.requests_in_batch)
-
-
-def _present(processor: Any, engine_id: str) -> bool:
-    scheduler = processor.scheduler
-    return engine_id in scheduler.active_requests or engine_id in scheduler.waiting_requests

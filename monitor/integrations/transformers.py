@@ -53,12 +53,13 @@ import torch
 from transformers.utils.generic import is_flash_attention_requested
 
 from monitor.integrations.attention_wrapper import AttentionWrapper
-from monitor.integrations.continuous_batching import ContinuousBatching, Stream
+from monitor.integrations.continuous_batching import ContinuousBatching
 from monitor.integrations.generation import Generation
 from monitor.integrations.hf_contract import contract_from_config, model_revision, weights_revision
 from monitor.integrations.recompute import learned_sinks
 from monitor.integrations.row_sampling import request_sampled, row_seed
 from monitor.integrations.sender import Sender, TapCounts
+from monitor.integrations.traced_request import Stream
 from monitor.protocol.model_contract import ModelContract
 from monitor.protocol.schema import Scope, TraceHeader, check_identifier
 
@@ -109,6 +110,7 @@ class AttentionTap(AttentionWrapper):
             row_seed=lambda request_id: row_seed(seed, request_id), traceable=self._traceable,
             publish=lambda stream: self._sender.offer(stream, traces=len(stream.layers)), untraced=self._untraced,
             layer_of=self.layer)
+        self._batching.watch(model)
         self._generation = Generation(model, rows=rows, decode_rows=decode_rows, layers=self.layers, seed=seed,
                                       sampled=self.sampled, sender=self._sender, untraced=self._untraced,
                                       layer_of=self.layer, templates=self._templates)

@@ -10,6 +10,7 @@ leaves to it."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -259,3 +260,131 @@ def test_requests_it_cannot_name_are_served_untraced_and_counted(caplog):
     assert tokens == {"has space": untapped["r0"], "r1": untapped["r1"]}
     assert counts.untraced == {"request_id": 1} and {h.request_id for h, _, _ in sink.traces} == {"r1"}
     assert "counted in tap.counts.untraced['request_id']" in caplog.text
+
+
+def test_every_returned_sequence_of_a_sampled_request_is_traced_at_its_positions():
+    """num_return_sequences=3, sampled: the engine prefills each prompt but its last token
+    (in chunks here), then forks two children sharing its cached keys. Each returned
+    sequence of a sampled request is traced (the children under ``<id>__child-<i>``) with
+    the request's prompt rows and its own decoding steps; an unsampled request's none."""
+    from transformers import GenerationConfig
+
+    model, eager = sharpened("llama")
+    inputs = prompts(4, seed=13)
+    config = dict(generation_config=GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=3,
+                                                     eos_token_id=-1),
+                  continuous_batching_config=continuous_batching_config(max_batch_tokens=24))
+
+    def run() -> dict[str, list[int]]:
+        torch.manual_seed(1)  # the generation thread samples from the global generator
+        return {k: list(v.generated_tokens) for k, v in model.generate_batch(inputs=inputs, **config).items()}
+
+    untapped = run()
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=0.5, seed=4, rows=4, decode_rows=2, scope=SCOPE, revision="r1")
+    tapped = run()
+    counts = tap.detach(timeout=30)
+    assert tapped == untapped and len(tapped) == 12
+    sampled = [i for i in range(4) if tap.sampled(f"req_{i}")]
+    assert sampled == [0, 1]
+    traced_as = {f"req_{i}": (i, f"req_{i}") for i in sampled} | \
+        {f"req_{i}__child#{c}": (i, f"req_{i}__child-{c}") for i in sampled for c in (0, 1)}
+    published = sorted((h.request_id, h.layer) for h, _, _ in sink.traces)
+    assert published == sorted((name, n) for _, name in traced_as.values() for n in (0, 1))
+    assert (counts.published, counts.failed, dict(counts.untraced)) == (12, 0, {}), counts.line()
+    sequences = {name: inputs[i] + tapped[engine] for engine, (i, name) in traced_as.items()}
+    decoding = check_rows(sink.traces, eager, sequences, {name: len(inputs[i]) for i, name in traced_as.values()})
+    assert decoding == 12 * 3  # two steps spread over the six, and the last
+    for i in sampled:  # one request's sequences: the same prompt rows, their own decoding
+        family = [(h, w) for h, w, _ in sink.traces if h.layer == 1 and h.request_id.split("__")[0] == f"req_{i}"]
+        prompt = [p for p in family[0][0].query_positions if p < len(inputs[i])]
+        assert len(family) == 3 and len(prompt) == 4
+        assert all(h.query_positions[:4] == tuple(prompt) for h, _ in family)
+        assert all(np.array_equal(w[:, :4], family[0][1][:, :4]) for _, w in family)
+        assert len({tuple(sequences[h.request_id]) for h, _ in family}) > 1  # sampling made them differ
+
+
+def test_a_batch_it_cannot_read_is_served_untraced_counted_and_said_once(monkeypatch, caplog):
+    """A transformers whose batch processor or paged cache is laid out otherwise (simulated:
+    the attribute read missing), or a batch read that does not match its pass (simulated:
+    the packing order misread): tokens unchanged, nothing published, one reason, said once."""
+    from monitor.integrations import batch_processor, continuous_batching
+
+    model, _ = sharpened("llama")
+    inputs = prompts(3, seed=17)
+    config = dict(generation_config=greedy(4), continuous_batching_config=continuous_batching_config())
+    untapped = {k: v.generated_tokens for k, v in model.generate_batch(inputs=inputs, **config).items()}
+    def reversed_batch(processor):
+        batch = processor.inputs_and_outputs.requests_in_batch[::-1]
+        return batch_processor.batch_members(SimpleNamespace(inputs_and_outputs=SimpleNamespace(
+            requests_in_batch=batch)))
+
+    def renamed_cache(self, batch, *args):  # as if the cache's allocators were renamed
+        return batch.cache.allocators_by_layer
+
+    misread = [("batch_members", lambda processor: batch_processor.batch_members(
+                    SimpleNamespace(inputs_and_outputs=SimpleNamespace()))),
+               ("batch_members", reversed_batch), ("_around", renamed_cache)]
+    for (name, read), message in zip(misread, ["has no batch in inputs_and_outputs.requests_in_batch",
+                                               "query lengths", "paged cache has no allocators_by_layer"],
+                                     strict=True):
+        monkeypatch.undo()
+        where = continuous_batching if name == "batch_members" else continuous_batching.ContinuousBatching
+        monkeypatch.setattr(where, name, read)
+        caplog.clear()
+        sink = Collect()
+        tap = attach(model, sink, sample_rate=1.0, scope=SCOPE, revision="r1")
+        tapped = {k: v.generated_tokens for k, v in model.generate_batch(inputs=inputs, **config).items()}
+        counts = tap.detach(timeout=30)
+        assert tapped == untapped
+        assert not sink.traces and counts.failed == 0
+        assert set(counts.untraced) == {"continuous_batching_unreadable"}, counts.line()
+        said = [r.getMessage() for r in caplog.records if "continuous_batching_unreadable" in r.getMessage()]
+        assert len(said) == 1 and message in said[0], said
+
+
+def test_a_cache_no_processor_holds_is_refused_with_what_was_looked_for():
+    from monitor.integrations.batch_processor import ProcessorLookup, Unreadable
+
+    with pytest.raises(Unreadable, match=r"no ContinuousBatchProcessor .* holds the paged cache"):
+        ProcessorLookup().find(object())
+
+
+def test_streamed_by_request_id_iter_and_delivered_to_result_handlers_as_untapped():
+    """The manager's other ways to hand out results, with the tap attached: a streaming
+    request read with ``request_id_iter`` and one delivered to ``register_result_handler``
+    get the untapped tokens, and both are traced once."""
+    import threading
+
+    model, eager = sharpened("llama")
+    inputs = prompts(2, seed=19)
+    untapped = serve(model, inputs, [6, 6])
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=1.0, rows=3, decode_rows=2, scope=SCOPE, revision="r1")
+    manager = model.init_continuous_batching(generation_config=greedy(6),
+                                             continuous_batching_config=continuous_batching_config())
+    handled: list = []
+    done = threading.Event()
+
+    def handler(output):
+        handled.append(output)
+        if output.is_finished():
+            done.set()
+
+    manager.start()
+    try:
+        manager.register_result_handler("handled", handler)
+        manager.add_request(inputs[1], request_id="handled", max_new_tokens=6)
+        manager.add_request(inputs[0], request_id="streamed", max_new_tokens=6, streaming=True)
+        streamed = [list(output.generated_tokens) for output in manager.request_id_iter("streamed")]
+        assert done.wait(60)
+    finally:
+        manager.stop(block=True, timeout=30)
+    counts = tap.detach(timeout=30)
+    assert streamed[-1] == untapped["r0"] and len(streamed) > 1  # one output a token
+    assert list(handled[-1].generated_tokens) == untapped["r1"]
+    assert sorted((h.request_id, h.layer) for h, _, _ in sink.traces) == [("handled", 0), ("handled", 1),
+                                                                           ("streamed", 0), ("streamed", 1)]
+    assert counts.failed == 0 and not counts.untraced
+    check_rows(sink.traces, eager, {"streamed": inputs[0] + streamed[-1], "handled": inputs[1] + untapped["r1"]},
+               {"streamed": len(inputs[0]), "handled": len(inputs[1])})
