@@ -388,3 +388,25 @@ def test_streamed_by_request_id_iter_and_delivered_to_result_handlers_as_untappe
     assert counts.failed == 0 and not counts.untraced
     check_rows(sink.traces, eager, {"streamed": inputs[0] + streamed[-1], "handled": inputs[1] + untapped["r1"]},
                {"streamed": len(inputs[0]), "handled": len(inputs[1])})
+
+
+def test_a_manager_made_after_attach_is_found_by_its_public_batch_processor():
+    """From a thread outside the manager's generation step (no calling frame holds the
+    processor), the processor of the cache is found through the manager the model made;
+    closing the lookup unwraps the model."""
+    from monitor.integrations.batch_processor import ProcessorLookup
+
+    model, _ = sharpened("llama")
+    lookup = ProcessorLookup()
+    lookup.watch(model)
+    manager = model.init_continuous_batching(generation_config=greedy(2),
+                                             continuous_batching_config=continuous_batching_config())
+    manager.start()
+    try:
+        manager.add_request(prompts(1)[0], request_id="r", max_new_tokens=2)
+        drain(manager, lambda done: "r" in done)
+        assert lookup.find(manager.batch_processor.cache) is manager.batch_processor
+    finally:
+        manager.stop(block=True, timeout=30)
+        lookup.close()
+    assert "init_continuous_batching" not in model.__dict__
