@@ -354,7 +354,7 @@ def test_streamed_by_request_id_iter_and_delivered_to_result_handlers_as_untappe
     """The manager's other ways to hand out results, with the tap attached: a streaming
     request read with ``request_id_iter`` and one delivered to ``register_result_handler``
     get the untapped tokens, and both are traced once."""
-    import threading
+    import asyncio
 
     model, eager = sharpened("llama")
     inputs = prompts(2, seed=19)
@@ -364,20 +364,26 @@ def test_streamed_by_request_id_iter_and_delivered_to_result_handlers_as_untappe
     manager = model.init_continuous_batching(generation_config=greedy(6),
                                              continuous_batching_config=continuous_batching_config())
     handled: list = []
-    done = threading.Event()
 
-    def handler(output):
-        handled.append(output)
-        if output.is_finished():
-            done.set()
+    async def read() -> list[list[int]]:
+        finished = asyncio.Event()  # handlers are called on the registering event loop
 
-    manager.start()
-    try:
+        def handler(output):
+            handled.append(output)
+            if output.is_finished():
+                finished.set()
+
         manager.register_result_handler("handled", handler)
         manager.add_request(inputs[1], request_id="handled", max_new_tokens=6)
         manager.add_request(inputs[0], request_id="streamed", max_new_tokens=6, streaming=True)
-        streamed = [list(output.generated_tokens) for output in manager.request_id_iter("streamed")]
-        assert done.wait(60)
+        streamed = await asyncio.to_thread(
+            lambda: [list(output.generated_tokens) for output in manager.request_id_iter("streamed")])
+        await asyncio.wait_for(finished.wait(), 60)
+        return streamed
+
+    manager.start()
+    try:
+        streamed = asyncio.run(read())
     finally:
         manager.stop(block=True, timeout=30)
     counts = tap.detach(timeout=30)
