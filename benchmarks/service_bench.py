@@ -12,10 +12,10 @@ measures on the same messages:
 - core: ``head_metrics`` on the decoded weights, in-process (traces/s), one trace per
   call and stacked by chunk as the service does; the faster is the reference;
 - pipeline: decode, verify, metrics, detection and join, in-process (traces/s);
-- service: ``python -m monitor run`` consuming them (traces/s, from its first trace
-  to its last: from the first scrape, a second apart, that counts one to the time
-  the service says it accounted for the last), with its memory (PSS) sampled
-  every 0.2 s from its first trace to its last.
+- service: ``python -m monitor run`` consuming them (traces/s, from its first accounted
+  batch to its last trace, both by the service's own clock: the last trace timestamp
+  scraped with the count, every 0.05 s until the first batch is counted, then every
+  second), with its memory (PSS) sampled every 0.2 s from its first trace to its last.
 
 Each reference is the best of two or three passes, and the service the best of two
 runs, with one measuring process and with ``--processes`` (default: the cores), runs
@@ -98,11 +98,20 @@ from monitor.settings import Settings
 from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
 KEY_ID, SECRET = "bench", b"bench-secret-0123456789"
-#: seconds between scrapes of the service's /metrics. Rendering the exposition costs the
-#: service CPU (about 6 % of its process at five scrapes a second); Prometheus scrapes
-#: every 15 s by default, so the bench scrapes seldom too. The rate is taken between two
-#: scrapes, each with its count, so a slower scrape does not blur it.
+#: seconds between scrapes of the service's /metrics during a run. Rendering the exposition
+#: costs the service CPU (about 6 % of its process at five scrapes a second); Prometheus
+#: scrapes every 15 s by default, so the bench scrapes seldom too.
 SCRAPE_S = 1.0
+#: seconds between scrapes while the service starts, until it has accounted for its first
+#: batch: the run's window opens there, timed by the service's own clock (the last trace
+#: timestamp scraped with the count). Timed from a scrape on a 1 s grid instead, a run of
+#: a few thousand traces (about a second) began at whatever point of it the grid fell:
+#: before the start-up's slow first batches or after several batches already counted,
+#: each batch a step of a few hundred traces, and the same run read as anything from its
+#: rate to twice it (docs/performance.md, 2026-12-05).
+START_SCRAPE_S = 0.05
+CONSUMED = "attention_monitor_traces_consumed_total"
+LAST_TRACE = "attention_monitor_last_trace_timestamp_seconds"
 
 
 #: requests of different lengths in the pool of weight tensors with ``--vary-keys``
@@ -311,11 +320,18 @@ def broker_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def metrics(port: int, *names: str) -> tuple[float, ...]:
+    """The sum of each metric's samples (all label values), from one scrape of the
+    service's ``/metrics`` (so that a count and a timestamp belong together)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return tuple(sum(float(line.split()[-1]) for line in lines if line.startswith((name + " ", name + "{")))
+                 for name in names)
+
+
 def metric(port: int, name: str) -> float:
     """The sum of a metric's samples (all label values) on the service's ``/metrics``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return sum(float(line.split()[-1]) for line in resp.read().decode().splitlines()
-                   if line.startswith((name + " ", name + "{")))
+    return metrics(port, name)[0]
 
 
 @dataclass
@@ -326,6 +342,7 @@ class Served:
     cpu: dict[str, float]  #: CPU seconds in that span, per process (service, its children, broker)
     stage_seconds: float  #: mean time per trace in the stage
     rss: list[int]  #: KiB, the service and its children, every 0.2 s from the first trace on
+    rebalances: float  #: assignment changes the service saw (1: its first assignment only)
 
     @property
     def cpu_per_trace(self) -> float:
@@ -369,64 +386,71 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
-    first, last, done = None, None, 0.0
+    #: the service's own time of the first accounted batch's last trace, and its count
+    first: tuple[float, float] | None = None
+    done = 0.0
     cpu_first: dict[str, float] = {}
     cpu_last: dict[str, float] = {}
-    deadline, scraped = time.monotonic() + 600, 0.0
+    deadline = time.monotonic() + 600
     try:
+        # start-up: scraped often (the scrapes cost the service CPU before the run's window,
+        # not in it) so that the window opens at the first accounted batch
+        while first is None and time.monotonic() < deadline:
+            service.check_alive()
+            time.sleep(START_SCRAPE_S)
+            try:
+                done, at = metrics(port, CONSUMED, LAST_TRACE)
+            except OSError:
+                continue  # not listening yet
+            if done and at:  # the timestamp is set just after the count
+                first = (at, done)
+                cpu_first = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
+                rss.append((time.time(), rss_kib(service.pid)))
+        scraped = time.monotonic()
         while done < args.traces and time.monotonic() < deadline:
             service.check_alive()
             rss.append((time.time(), rss_kib(service.pid)))
             time.sleep(0.2)
-            if time.monotonic() - scraped < SCRAPE_S:
-                continue
-            scraped = time.monotonic()
-            try:
-                done = metric(port, "attention_monitor_traces_consumed_total")
-            except OSError:
-                done = 0.0
-            now = time.time()
-            if done and first is None:
-                first = (now, done)
-                cpu_first = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
-            if done:
-                cpu_last = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
-            last = (now, done)
+            if time.monotonic() - scraped >= SCRAPE_S:
+                scraped = time.monotonic()
+                done = metrics(port, CONSUMED)[0]
         while done >= args.traces and time.monotonic() < deadline:
             service.check_alive()
             time.sleep(SCRAPE_S)
             if metric(port, "attention_monitor_observations_judged_total") >= args.traces:
                 cpu_last = cpu_seconds(service.pid, "service") | {"broker": broker_seconds(broker_pid)}
                 break
-        # the run ends when the last trace was accounted for, not at the scrape that saw it
-        # (up to a scrape interval later: a quarter of a 4 s run)
-        finished = metric(port, "attention_monitor_last_trace_timestamp_seconds")
+        # the run ends when the last trace was accounted for, by the service's own clock
+        done, finished = metrics(port, CONSUMED, LAST_TRACE)
         stage_seconds = metric(port, "attention_monitor_processing_seconds_sum") / max(
             1.0, metric(port, "attention_monitor_processing_seconds_count"))
         rejected = metric(port, "attention_monitor_traces_rejected_total")
+        rebalances = metric(port, "attention_monitor_rebalances_total")
     finally:
         service.stop()
-    if first is None or last is None:
+    if first is None:
         raise SystemExit("the service consumed nothing; see " + str(work / "monitor.log"))
+    if not cpu_last:
+        raise SystemExit(f"the service had not judged every trace within 600 s; see {work / 'monitor.log'}")
     if finished <= first[0]:
-        raise SystemExit(f"the service had accounted for its last trace ({done:.0f} of {args.traces}) before the "
-                         f"first scrape that counted one (every {SCRAPE_S:.0f} s): too few to time; give more --traces")
+        raise SystemExit(f"the service accounted for all {done:.0f} traces in its first batch: too few to time; "
+                         "give more --traces")
     if rejected:  # a service that refuses the traces does less work than one that measures them
         raise SystemExit(f"the service rejected {rejected:.0f} traces; see {work / 'monitor.log'}")
     span = finished - first[0]
     cpu = {name: cpu_last[name] - cpu_first.get(name, 0.0) for name in cpu_last}
     # not the start-up before the first trace (at least the last sample, for a very short run)
     during = [kib for at, kib in rss if at >= first[0]] or [rss[-1][1]]
-    return Served((last[1] - first[1]) / span, last[1] - first[1], span, cpu, stage_seconds, during)
+    return Served((done - first[1]) / span, done - first[1], span, cpu, stage_seconds, during, rebalances)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=int, default=4000,
                         help="signed traces in the topic, read by every reference and service run (default 4000; "
-                             "a service run is timed from the first scrape that counts a trace, so with a few "
-                             "thousand or fewer the traces in flight then, measured partly before it, skew its CPU "
-                             "per trace: the figures in docs/performance.md use 12000)")
+                             "a service run is timed from its first accounted batch, a few hundred traces at once, "
+                             "so with a few thousand or fewer its start-up and that first batch weigh on its rate "
+                             "and CPU per trace: the figures in docs/performance.md use 12000)")
     parser.add_argument("--keys", type=int, default=512)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--vary-keys", action="store_true",
@@ -599,9 +623,14 @@ def main() -> None:
           f"{min(measured) * 1e3:.2f}-{max(measured) * 1e3:.2f} ms) of this invocation:")
     for config, run in fastest.items():
         paired = statistics.median(r.rate / f for r, f in zip(served_by[config], floor_beside[config], strict=True))
+        rates = [r.rate for r in served_by[config]]
+        windows = ", ".join(f"{r.traces:.0f} in {r.span:.2f} s" + (f" ({r.rebalances:.0f} rebalances)" if
+                                                                  r.rebalances != 1 else "")
+                            for r in served_by[config])
         print(f"  {label(config)}: {run.rate / best_floor:.0%} of min(raw, core), "
               f"CPU per trace {run.cpu_per_trace / middle:.2f}x the references' (each run against min(raw, core) "
-              f"measured just before it, median: {paired:.0%})")
+              f"measured just before it, median: {paired:.0%}); the slowest run {1 - min(rates) / max(rates):.0%} "
+              f"below the fastest (traces timed: {windows})")
 
 if __name__ == "__main__":
     main()
