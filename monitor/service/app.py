@@ -80,9 +80,9 @@ class Service:
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
 
-    def triage_page(self, path: str, query: str) -> str:
-        """A /triage/ page, from the committed tail of the anomalies topic (read afresh
-        for every page: an on-call page, not a dashboard)."""
+    def triage_page(self, path: str, query: str) -> tuple[int, str]:
+        """A /triage/ page and its HTTP status, from the committed tail of the anomalies
+        topic (read afresh for every page: an on-call page, not a dashboard)."""
         from monitor.broker.tail import read_tail
         from monitor.triage.site import respond
 

@@ -11,6 +11,7 @@ import ssl
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -20,9 +21,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 log = logging.getLogger(__name__)
 StartResponse = Callable[..., Any]
-#: renders a triage page from its path below ``/triage/`` and its query string; raises
-#: LookupError for an unknown page
-Pages = Callable[[str, str], str]
+#: renders a triage page from its path below ``/triage/`` and its query string: its HTTP
+#: status (404 for an unknown page, 400 for a malformed request) and its HTML
+Pages = Callable[[str, str], tuple[int, str]]
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -128,15 +129,13 @@ class MetricsServer:
             start_response("301 Moved Permanently", [("Location", "/triage/"), ("Content-Type", "text/plain")])
             return [b"/triage/\n"]
         try:
-            html = self._pages(path.removeprefix("/triage/"), query)
-        except LookupError as exc:
-            return _text(start_response, "404 Not Found", f"{exc}\n")
+            status, html = self._pages(path.removeprefix("/triage/"), query)
         except Exception as exc:  # the broker away, a record we cannot draw: say so, keep serving
             log.warning("triage page %s failed: %s", path, exc)
             return _text(start_response, "503 Service Unavailable", f"triage page unavailable: {exc}\n")
-        start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"),
-                                  ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; "
-                                                              "img-src data:")])
+        start_response(f"{status} {HTTPStatus(status).phrase}",
+                       [("Content-Type", "text/html; charset=utf-8"),
+                        ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; img-src data:")])
         return [html.encode()]
 
 

@@ -17,7 +17,10 @@ from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 from monitor.triage import charts, outcome_chart
 from monitor.triage.evidence import Case
 
-_ENV = Environment(loader=PackageLoader("monitor.triage", "templates"), autoescape=select_autoescape(),
+#: every template is HTML (``*.html.j2``): what records and addresses carry (model ids,
+#: heads, labels, a query) is escaped, the charts alone are passed as markup
+_ENV = Environment(loader=PackageLoader("monitor.triage", "templates"),
+                   autoescape=select_autoescape(["html.j2"], default_for_string=True, default=True),
                    trim_blocks=True, lstrip_blocks=True)
 
 
@@ -70,3 +73,10 @@ def render_index(cases: list[Case], links: dict[str, str]) -> str:
     return _ENV.get_template("index.html.j2").render(
         cases=cases, links=links, not_pruning=NOT_PRUNING,
         generated=_when(datetime.now(UTC).timestamp()))
+
+
+def render_notice(title: str, message: str, index: str) -> str:
+    """A page that says why there is nothing to show at an address (an unknown incident,
+    a malformed layer address), with a link back to the index (``index``: its href)."""
+    return _ENV.get_template("notice.html.j2").render(title=title, message=message, index=index,
+                                                      generated=_when(datetime.now(UTC).timestamp()))

@@ -5,44 +5,72 @@ service (``/triage/…``) and the command line (``triage --html``):
 ``/triage/incident/<incident id>``             one incident's page
 ``/triage/layer?model=M&revision=R&layer=L``   a layer's page (its newest incident, or
                                                "nothing to investigate")
+
+Every answer is an HTTP status and a page: 404 (an unknown incident or page) and 400 (a
+layer address without its model, revision or layer) say what was wrong and link back to
+the index, so that a typo never reads as a healthy layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from monitor.triage import evidence, page
 
-Records = Callable[[], list[dict[str, Any]]]
+#: what a layer page's address must carry
+LAYER_PARAMETERS = ("model", "revision", "layer")
 
 
-class NotFound(LookupError):
-    """No page at that address (an unknown incident, a malformed selection)."""
+class BadRequest(ValueError):
+    """A layer address without one of its parameters, or with a layer that is no number."""
 
 
-def respond(records: list[dict[str, Any]], path: str, query: str) -> str:
-    """The HTML of the page at ``path`` (below ``/triage/``) and ``query``; raises
-    :class:`NotFound`."""
+def respond(records: list[dict[str, Any]], path: str, query: str) -> tuple[int, str]:
+    """The HTTP status and HTML of the page at ``path`` (below ``/triage/``) and ``query``."""
     path = path.strip("/")
+    index = "../" * path.count("/")  # relative links on a page below /triage/incident/ climb back
     if path in ("", "index.html"):
         cases = evidence.incident_cases(records)
-        return page.render_index(cases, {c.incident_id: page.incident_href(c.incident_id) for c in cases})
+        return 200, page.render_index(cases, {c.incident_id: page.incident_href(c.incident_id) for c in cases})
     if path.startswith("incident/"):
-        case = evidence.for_incident(records, unquote(path.removeprefix("incident/")))
+        incident_id = unquote(path.removeprefix("incident/"))
+        case = evidence.for_incident(records, incident_id)
         if case is None:
-            raise NotFound(f"no incident {unquote(path.removeprefix('incident/'))!r} in the records read")
-        return page.render(case)
+            return 404, page.render_notice("No such incident", f"No incident {incident_id!r} in the records this "
+                                           "instance read from the anomalies topic.", index)
+        return 200, page.render(case)
     if path == "layer":
-        args = {k: v[-1] for k, v in parse_qs(query).items()}
         try:
-            model, revision, layer = args["model"], args["revision"], int(args["layer"])
-        except (KeyError, ValueError) as exc:
-            raise NotFound("a layer page needs model, revision and layer (a number)") from exc
-        return page.render(evidence.for_layer(records, model, revision, layer))
-    raise NotFound(f"no triage page {path!r}")
+            model, revision, layer = layer_selection(query)
+        except BadRequest as exc:
+            return 400, page.render_notice("Not a layer page address", str(exc), index)
+        return 200, page.render(evidence.for_layer(records, model, revision, layer))
+    return 404, page.render_notice("No such page", f"There is no triage page {path!r}.", index)
+
+
+def layer_selection(query: str) -> tuple[str, str, int]:
+    """The (model, revision, layer) a layer page's ``query`` names; raises
+    :class:`BadRequest` naming every missing parameter, or a layer that is no number."""
+    args = {k: v[-1] for k, v in parse_qs(query).items() if v[-1].strip()}
+    missing = [name for name in LAYER_PARAMETERS if name not in args]
+    if missing:
+        given = ", ".join(f"{k}={v}" for k, v in args.items() if k in LAYER_PARAMETERS) or "none of them"
+        raise BadRequest(f"A layer page needs {_listed(LAYER_PARAMETERS)}: {_listed(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing (given: {given}). "
+                         "Its address reads layer?model=M&revision=R&layer=L.")
+    try:
+        layer = int(args["layer"])
+    except ValueError as exc:
+        raise BadRequest(f"layer must be a layer number (0, 1, …), got {args['layer']!r}.") from exc
+    return args["model"], args["revision"], layer
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
 def write_site(records: list[dict[str, Any]], directory: Path, model: str | None = None,

@@ -122,14 +122,30 @@ def test_pages_are_self_contained():
 
 def test_the_site_routes_and_refuses_what_it_does_not_know(collapsed):
     recs, incident, _ = collapsed
-    index = site.respond(recs, "", "")
-    assert page.incident_href(incident["incident_id"]) in index
-    assert "Incident " in site.respond(recs, page.incident_href(incident["incident_id"]), "")
-    assert "Nothing to investigate" in site.respond(recs, "layer", "model=scenario-lm&revision=r1&layer=0")
-    for path, query in (("incident/nope", ""), ("layer", "model=m"), ("layer", "model=m&revision=r&layer=x"),
-                        ("elsewhere", "")):
-        with pytest.raises(site.NotFound):
-            site.respond(recs, path, query)
+    status, index = site.respond(recs, "", "")
+    assert status == 200 and page.incident_href(incident["incident_id"]) in index
+    status, html = site.respond(recs, page.incident_href(incident["incident_id"]), "")
+    assert status == 200 and "Incident " in html
+    status, html = site.respond(recs, "layer", "model=scenario-lm&revision=r1&layer=0")
+    assert status == 200 and "Nothing to investigate" in html
+    status, html = site.respond(recs, "incident/nope", "")
+    assert status == 404 and "No incident &#39;nope&#39;" in html and 'href="../"' in html
+    status, html = site.respond(recs, "elsewhere", "")
+    assert status == 404 and "There is no triage page &#39;elsewhere&#39;" in html and 'href="./"' in html
+
+
+@pytest.mark.parametrize(("query", "named"), [
+    ("", "model, revision and layer are missing"),
+    ("model=m", "revision and layer are missing (given: model=m)"),
+    ("model=m&revision=r", "layer is missing (given: model=m, revision=r)"),
+    ("model=m&revision=&layer=2", "revision is missing"),
+    ("model=m&revision=r&layer=x", "layer must be a layer number (0, 1, …), got &#39;x&#39;"),
+])
+def test_a_layer_address_without_its_parameters_is_a_bad_request_naming_them(collapsed, query, named):
+    """400, not 404: the page exists, the address lacks what it needs; it names what."""
+    status, html = site.respond(collapsed[0], "layer", query)
+    assert status == 400 and named in html and "Nothing to investigate" not in html
+    assert 'href="./"' in html  # back to the index
 
 
 @pytest.mark.parametrize(("k", "n"), [(0, 5), (3, 10), (17, 40), (40, 40)])
@@ -184,7 +200,7 @@ def test_the_index_the_page_and_the_text_name_the_heads_of_the_incidents_record(
     heads, counts = incident["heads"], incident["head_counts"]
     assert set(heads) == COLLAPSED_HEADS and case.involved == heads and case.head_counts == counts
     listed = ", ".join(f"{h} ({counts[h]})" for h in heads)
-    index = site.respond(recs, "", "")
+    _, index = site.respond(recs, "", "")
     row = index[index.index(page.incident_href(incident["incident_id"])):].split("</tr>")[0]
     assert f'<td class="num">{incident["anomalies"]}</td>' in row
     assert listed in " ".join(re.sub(r"<[^>]+>", " ", row).split()).replace(" ,", ",")
@@ -223,3 +239,11 @@ def test_timelines_of_any_span_draw_without_a_library_warning(span):
         warnings.simplefilter("error")
         svg = charts.timelines({"entropy": {"head-1": points, "head-2": points}})
     assert 'id="timeline-head-1-entropy"' in svg
+
+
+def test_what_records_and_addresses_carry_is_escaped_on_every_page():
+    """A model id, a revision or an address is text on the page, never markup."""
+    html = page.render(evidence.for_layer(records(), "<i>lm</i>", "<b>r</b>", 0))
+    assert "<i>lm</i>" not in html and "&lt;i&gt;lm&lt;/i&gt;" in html and "<b>r</b>" not in html
+    _, notice = site.respond([], "layer", "model=%3Cb%3Ex&revision=r")
+    assert "<b>x" not in notice and "model=&lt;b&gt;x" in notice
