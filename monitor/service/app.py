@@ -82,13 +82,15 @@ class Service:
 
     def triage_page(self, path: str, query: str) -> tuple[int, str]:
         """A /triage/ page and its HTTP status, from the committed tail of the anomalies
-        topic (read afresh for every page: an on-call page, not a dashboard)."""
+        topic (read afresh for every page: an on-call page, not a dashboard) and the
+        layers this instance has seen, as its metrics and contracts have them."""
         from monitor.broker.tail import read_tail
+        from monitor.triage.seen import from_metrics
         from monitor.triage.site import respond
 
         records = read_tail(self.settings.kafka_connection(), [self.topics.anomalies], self.settings.triage_records,
                             timeout_s=15.0)
-        return respond(records, path, query)
+        return respond(records, path, query, from_metrics(self.registry.collect(), self.contracts.contracts()))
 
     def run(self) -> ExitCode:
         s = self.settings

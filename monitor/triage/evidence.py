@@ -19,6 +19,7 @@ from monitor.core.incidents import FAMILY, HeadAccount
 from monitor.triage import generation, outcomes
 from monitor.triage.generation import LayerRows
 from monitor.triage.outcomes import Outcomes, Rate, wilson
+from monitor.triage.seen import SeenLayer
 
 __all__ = ["Case", "Point", "Rate", "account", "for_incident", "for_layer", "incident_cases", "wilson"]
 
@@ -66,6 +67,8 @@ class Case:
         said = outcomes.resolved(record, self.late)
         return str(said["outcome"] or "pending") + (" (late)" if said["late"] else "")
     timelines: dict[str, dict[str, list[Point]]] = field(default_factory=dict)  #: metric → head → points
+    #: the layer as this instance's metrics have it (None: not seen here, or no instance asked)
+    seen: SeenLayer | None = None
 
     @property
     def healthy(self) -> bool:
@@ -105,14 +108,26 @@ class Case:
 
     @property
     def contract_ids(self) -> list[str]:
-        return sorted({str(r["contract_id"]) for r in self.records if r.get("contract_id")})
+        """The contracts its records name; without records, those of the layer this
+        instance knows (:attr:`seen`)."""
+        found = sorted({str(r["contract_id"]) for r in self.records if r.get("contract_id")})
+        return found or (list(self.seen.contract_ids) if self.seen else [])
 
     @property
     def reference_revisions(self) -> list[str]:
+        """The revisions whose references judged its records; without records, the one
+        that judges the layer on this instance now (:attr:`seen`)."""
         found = {str(r["reference_revision"]) for r in self.records if r.get("reference_revision")}
         if self.incident and self.incident.get("reference_revision"):
             found.add(str(self.incident["reference_revision"]))
+        if not found and self.seen and self.seen.judged_by:
+            found.add(self.seen.judged_by)
         return sorted(found)
+
+    @property
+    def identity_from_metrics(self) -> bool:
+        """Its judge and contract come from this instance's metrics, not its records."""
+        return not self.records and self.incident is None and self.seen is not None
 
     @property
     def title(self) -> str:

@@ -16,6 +16,7 @@ from markupsafe import Markup
 from monitor.core.policy import NOT_PRUNING, SPECIALIZATION
 from monitor.triage import charts, outcome_chart
 from monitor.triage.evidence import Case
+from monitor.triage.seen import SeenLayer
 
 #: every template is HTML (``*.html.j2``): what records and addresses carry (model ids,
 #: heads, labels, a query) is escaped, the charts alone are passed as markup
@@ -46,7 +47,11 @@ def incident_href(incident_id: str) -> str:
 
 
 def layer_href(model: str, revision: str, layer: int) -> str:
+    """Where the service serves a layer's page, relative to ``/triage/``."""
     return "layer?" + urlencode({"model": model, "revision": revision, "layer": layer})
+
+
+_ENV.globals["layer_href"] = layer_href
 
 
 def file_name(incident_id: str) -> str:
@@ -67,16 +72,18 @@ def render(case: Case) -> str:
         generated=_when(datetime.now(UTC).timestamp()))
 
 
-def render_index(cases: list[Case], links: dict[str, str]) -> str:
+def render_index(cases: list[Case], links: dict[str, str], layers: list[SeenLayer] | None = None) -> str:
     """A list of incidents, each linked to its page (``links``: incident id → href),
-    with the findings and heads its page shows."""
+    with the findings and heads its page shows; then the ``layers`` the serving instance
+    has seen, each linked to its page (None: written to disk, no instance to ask)."""
     return _ENV.get_template("index.html.j2").render(
-        cases=cases, links=links, not_pruning=NOT_PRUNING,
+        cases=cases, links=links, layers=layers, not_pruning=NOT_PRUNING,
         generated=_when(datetime.now(UTC).timestamp()))
 
 
-def render_notice(title: str, message: str, index: str) -> str:
-    """A page that says why there is nothing to show at an address (an unknown incident,
-    a malformed layer address), with a link back to the index (``index``: its href)."""
-    return _ENV.get_template("notice.html.j2").render(title=title, message=message, index=index,
+def render_notice(title: str, message: str, index: str, layers: list[SeenLayer] | None = None) -> str:
+    """A page that says why there is nothing to show at an address (an unknown incident
+    or layer, a malformed layer address), with a link back to the index (``index``: its
+    href) and the ``layers`` the serving instance has seen, each linked to its page."""
+    return _ENV.get_template("notice.html.j2").render(title=title, message=message, index=index, layers=layers,
                                                       generated=_when(datetime.now(UTC).timestamp()))

@@ -13,12 +13,13 @@ the index, so that a typo never reads as a healthy layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from monitor.triage import evidence, page
+from monitor.triage.seen import Key, SeenLayer
 
 #: what a layer page's address must carry
 LAYER_PARAMETERS = ("model", "revision", "layer")
@@ -28,13 +29,21 @@ class BadRequest(ValueError):
     """A layer address without one of its parameters, or with a layer that is no number."""
 
 
-def respond(records: list[dict[str, Any]], path: str, query: str) -> tuple[int, str]:
-    """The HTTP status and HTML of the page at ``path`` (below ``/triage/``) and ``query``."""
+def respond(records: list[dict[str, Any]], path: str, query: str,
+            seen: Mapping[Key, SeenLayer] | None = None) -> tuple[int, str]:
+    """The HTTP status and HTML of the page at ``path`` (below ``/triage/``) and ``query``.
+
+    ``seen``: the layers the serving instance has seen (:mod:`monitor.triage.seen`); the
+    index lists them, a layer page takes its judge and contract from them, and a layer
+    neither they nor the records name is a 404. None (pages written to disk): every
+    layer without records is shown as healthy."""
     path = path.strip("/")
     index = "../" * path.count("/")  # relative links on a page below /triage/incident/ climb back
+    layers = None if seen is None else list(seen.values())
     if path in ("", "index.html"):
         cases = evidence.incident_cases(records)
-        return 200, page.render_index(cases, {c.incident_id: page.incident_href(c.incident_id) for c in cases})
+        return 200, page.render_index(cases, {c.incident_id: page.incident_href(c.incident_id) for c in cases},
+                                      layers)
     if path.startswith("incident/"):
         incident_id = unquote(path.removeprefix("incident/"))
         case = evidence.for_incident(records, incident_id)
@@ -44,10 +53,20 @@ def respond(records: list[dict[str, Any]], path: str, query: str) -> tuple[int, 
         return 200, page.render(case)
     if path == "layer":
         try:
-            model, revision, layer = layer_selection(query)
+            key = layer_selection(query)
         except BadRequest as exc:
-            return 400, page.render_notice("Not a layer page address", str(exc), index)
-        return 200, page.render(evidence.for_layer(records, model, revision, layer))
+            return 400, page.render_notice("Not a layer page address", str(exc), index, layers)
+        case = evidence.for_layer(records, *key)
+        if seen is not None:
+            case.seen = seen.get(key)
+            if case.seen is None and case.healthy:
+                model, revision, layer = key
+                return 404, page.render_notice(
+                    "No traces of this layer seen",
+                    f"This instance has seen no traces of model {model!r} revision {revision!r} layer {layer}, and "
+                    "the records it read from the anomalies topic name none: not a healthy layer, one this monitor "
+                    "knows nothing of (a typo, traces yet to come, or another instance's).", index, layers)
+        return 200, page.render(case)
     return 404, page.render_notice("No such page", f"There is no triage page {path!r}.", index)
 
 
