@@ -90,3 +90,17 @@ def test_a_layer_whose_reference_is_learning_is_not_called_healthy():
     assert status == 200 and "Nothing to investigate" not in html
     assert "Not judged here yet: the reference is learning (10 traces)" in html
     assert parse(html).cells[(None, "reference_revision")] == "–"  # none judges it yet
+
+
+def test_the_index_links_every_layer_seen_with_its_state(served):
+    recs, layers = served
+    status, html = site.respond(recs, "", "", layers)
+    assert status == 200
+    table = html[html.index('<table id="layers-seen">'):]
+    table = table[:table.index("</table>")]
+    for layer in layers.values():
+        row = table[table.index(f'data-layer="{layer.model} {layer.revision} {layer.layer}"'):].split("</tr>")[0]
+        assert page.layer_href(layer.model, layer.revision, layer.layer).replace("&", "&amp;") in row
+        assert f'data-field="findings">{layer.findings}<' in row and f'data-field="reference">{layer.reference}<' in row
+    assert "diversity" in table  # the collapsed layer's open incident
+    assert site.respond(recs, "", "", {})[1].count("None yet: this instance has measured no trace") == 1
