@@ -107,7 +107,7 @@ class ProcessorLookup:
             return processor
         for manager in list(self._managers):
             candidate = getattr(manager, "batch_processor", None)
-            if isinstance(candidate, ContinuousBatchProcessor) and candidate.cache is cache:
+            if isinstance(candidate, ContinuousBatchProcessor) and getattr(candidate, "cache", None) is cache:
                 return self._remember(cache, candidate)
         frame = sys._getframe(1)
         while frame is not None:
@@ -128,6 +128,7 @@ class ProcessorLookup:
                     value = getattr(value, attribute)
                 except AttributeError as exc:
                     raise _missing(f"ContinuousBatchProcessor.{path}", exc) from exc
+        self._found = {key: ref for key, ref in self._found.items() if ref() is not None}  # processors gone
         self._found[id(cache)] = weakref.ref(processor)
         return processor
 
