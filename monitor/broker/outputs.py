@@ -21,7 +21,9 @@ committed some of its dead letters, which the retry then wrote again). And a pro
 that cannot abort its transaction (its state broken by the outage) is thrown away: a new
 one with the same transactional id is started before the next attempt, and the broker
 aborts the old one's open transaction when it initialises (an open transaction would
-otherwise keep every read_committed reader of its partitions from reading past it).
+otherwise keep every read_committed reader of its partitions from reading past it). A
+transaction kafka-python has not finished after the delivery timeout is given up on the
+same way (:meth:`OutputProducer.commit`).
 
 This producer is kafka-python's, while everything that consumes is confluent-kafka's:
 why, and when that changes, is written down in ``docs/delivery.md`` ("The two Kafka
@@ -34,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaProducer, OffsetAndMetadata, TopicPartition
@@ -67,12 +70,29 @@ class GroupMovedOn(InfrastructureError):
         super().__init__(f"the group moved on: {detail}", retriable=True)
 
 
+class InDoubt(InfrastructureError):
+    """A transaction given up on after its commit was asked for: it may have committed.
+    The group's committed offsets tell (:meth:`monitor.service.delivery.Delivery`)."""
+
+    def __init__(self, detail: str):
+        super().__init__(detail, retriable=True)
+
+
+@dataclass
+class _Attempt:
+    """One transaction as its waiting caller sees it: the producer it runs on, and
+    whether its commit was asked for."""
+
+    producer: Any
+    committing: bool = False
+
+
 class OutputProducer:
     def __init__(self, connection: Connection, transactional_id: str, *, delivery_timeout_ms: int = 120_000,
                  on_failure: Callable[[str], None] = lambda reason: None):
         """``on_failure`` hears of every failed transaction: ``aborted`` (sent again),
-        ``stalled`` (still waiting for the broker after the delivery timeout),
-        ``group_moved`` or ``fenced``."""
+        ``stalled`` (not finished after the delivery timeout: given up on, see
+        :meth:`commit`), ``group_moved`` or ``fenced``."""
         self._on_failure = on_failure
         self._patience_s = delivery_timeout_ms / 1000
         # retry_backoff_ms: right after a commit the coordinator answers the next
@@ -110,17 +130,24 @@ class OutputProducer:
         rebalanced meanwhile (nothing committed), :class:`InfrastructureError` when it
         could not commit (after aborting; retriable unless this producer was fenced).
 
-        kafka-python waits without a limit for the coordinator to answer; while the
-        transaction has not finished after the delivery timeout, ``waiting`` is called
-        (and the wait counted as ``stalled``) once every delivery timeout, so the caller
-        can say it is not ready. The transaction then finishes either way once the broker
-        is back: committed, or aborted and raised here."""
+        kafka-python waits without a limit for the coordinator to answer, and after a
+        broker restart it may never answer (an AddOffsetsToTxn lost with its connection
+        left ``send_offsets_to_transaction`` waiting for good). A transaction not finished
+        after the delivery timeout (by then its records would have expired anyway) is
+        counted as ``stalled``, ``waiting`` is called so the caller can say it is not
+        ready, and it is given up on: its producer is thrown away (its thread is left
+        waiting on it) and the next attempt starts a new one, whose initialisation fences
+        the old one and has the broker abort its transaction. The error raised is
+        retriable; :class:`InDoubt` when the commit had been asked for. Starting a new
+        producer happens on the caller's thread, and raises while the broker is away."""
+        producer = self._producer or self._start("cannot start a new transactional output producer")
         done = threading.Event()
         outcome: list[BaseException | None] = []
+        attempt = _Attempt(producer)
 
         def run() -> None:
             try:
-                self._transact(list(outputs), offsets, group)
+                self._transact(list(outputs), offsets, group, attempt)
                 outcome.append(None)
             except BaseException as exc:  # handed to the caller's thread below
                 outcome.append(exc)
@@ -128,14 +155,35 @@ class OutputProducer:
                 done.set()
 
         threading.Thread(target=run, name="output-transaction", daemon=True).start()
-        while not done.wait(self._patience_s):
+        if not done.wait(self._patience_s):
             self._on_failure("stalled")
             waiting()
+            self._give_up(producer)
+            if attempt.committing:
+                raise InDoubt(f"the output transaction's commit did not finish within the delivery timeout "
+                              f"({self._patience_s:.0f} s); its producer is replaced")
+            raise InfrastructureError(f"the output transaction did not finish within the delivery timeout "
+                                      f"({self._patience_s:.0f} s); its producer is replaced and it is sent again",
+                                      retriable=True)
         if outcome[0] is not None:
             raise outcome[0]
 
-    def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any) -> None:
-        producer = self._producer or self._start("cannot start a new transactional output producer")
+    def _give_up(self, producer: KafkaProducer) -> None:
+        """Throw away the producer of a transaction that did not finish (its thread is left
+        waiting on it); the next attempt starts a new one, whose initialisation fences it."""
+        log.warning("the output transaction has not finished after the delivery timeout (%.0f s): giving up on its "
+                    "producer; a new one with the same transactional id sends the batch again", self._patience_s)
+        if self._producer is producer:
+            self._producer = None
+            threading.Thread(target=_close_now, args=(producer,), name="output-producer-close", daemon=True).start()
+
+    def start(self) -> None:
+        """A producer ready for the next transaction (a new one after one was given up on)."""
+        if self._producer is None:
+            self._start("cannot start a new transactional output producer")
+
+    def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any, attempt: _Attempt) -> None:
+        producer = attempt.producer
         try:
             producer.begin_transaction()
             futures = [producer.send(out.topic, key=out.key, value=out.value, partition=out.partition)
@@ -148,41 +196,47 @@ class OutputProducer:
             producer.flush()
             for future in futures:
                 future.get(timeout=0)  # raises the error of a record that was not written
+            attempt.committing = True
             producer.commit_transaction()
         except ProducerFencedError as exc:
-            self._on_failure("fenced")
+            if producer is self._producer:  # not the one given up on: the next one fenced that
+                self._on_failure("fenced")
             raise from_kafka_python("another monitor instance with the same transactional id took over", exc) \
                 from exc
         except REASSIGNED as exc:
-            self._abort("group_moved", type(exc).__name__)
+            self._abort(producer, "group_moved", type(exc).__name__)
             raise GroupMovedOn(type(exc).__name__) from exc
         except MessageSizeTooLargeError as exc:  # sent again, it would be refused again: say so and stop
-            self._abort("aborted", type(exc).__name__)
+            self._abort(producer, "aborted", type(exc).__name__)
             sizes = ", ".join(f"{out.topic} {len(out.value):,} bytes" for out in sorted(
                 outputs, key=lambda o: -len(o.value))[:3])
             raise InfrastructureError(f"an output record is larger than the producer or its topic takes ({exc}); "
                                       f"the largest: {sizes}. Create the topics with `attention-monitor topics "
                                       "create` (docs/scaling.md)", retriable=False) from exc
         except KafkaError as exc:
-            self._abort("aborted", type(exc).__name__)
+            self._abort(producer, "aborted", type(exc).__name__)
             raise InfrastructureError(f"writing outputs failed, transaction aborted: {type(exc).__name__}: {exc}",
                                       retriable=True) from exc
 
-    def _abort(self, reason: str, error: str) -> None:
-        """Abort the open transaction; a producer that cannot is thrown away, and the next
-        attempt starts a new one, whose initialisation has the broker abort it."""
+    def _abort(self, producer: KafkaProducer, reason: str, error: str) -> None:
+        """Abort ``producer``'s open transaction; a producer that cannot is thrown away, and
+        the next attempt starts a new one, whose initialisation has the broker abort it.
+        (A producer given up on already was replaced: nothing is counted for it.)"""
+        current = self._producer
+        if current is None or producer is not current:
+            log.info("the output transaction given up on ended too (%s)", error)
+            return
         self._on_failure(reason)
         log.warning("output transaction failed (%s): aborting it; its outputs and offsets will be sent again", error)
-        started, producer = time.monotonic(), self._producer
-        if producer is None:
-            return
+        started = time.monotonic()
         try:
-            producer.abort_transaction()
+            current.abort_transaction()
         except KafkaError as exc:
             log.warning("aborting the transaction failed too (%s: %s) after %.1f s: starting a new producer with the "
                         "same transactional id, which aborts it", type(exc).__name__, exc, time.monotonic() - started)
-            self._producer = None
-            _close_now(producer)
+            if self._producer is current:
+                self._producer = None
+            _close_now(current)
 
     def close(self) -> None:
         if self._producer is not None:

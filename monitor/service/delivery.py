@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from monitor.broker.group import GroupMember
-from monitor.broker.outputs import GroupMovedOn, OutputProducer
+from monitor.broker.outputs import GroupMovedOn, InDoubt, OutputProducer
 from monitor.errors import InfrastructureError
 from monitor.service.assignment import Assignment
 from monitor.service.exporter import MonitorMetrics
@@ -61,6 +61,20 @@ class Delivery:
         self.pipeline.committed(offsets)
         self.metrics.commits.inc()
 
+    def _landed(self, offsets: dict[TP, int]) -> bool:
+        """Whether the group's committed offsets are ``offsets``: asked once a new
+        producer is up (its initialisation finishes the old one's transaction)."""
+        backoff = Backoff()
+        while True:
+            try:
+                self.producer.start()
+                return self.consumer.committed(offsets) == offsets
+            except InfrastructureError as exc:
+                if not exc.retriable or self.stopping.is_set():
+                    raise
+                self.health.commit_failed(f"asking whether a transaction given up on was committed: {exc}")
+                backoff.wait()
+
     def _commit(self, batch: Batch, offsets: dict[TP, int]) -> None:
         backoff, stop_at = Backoff(), None
         while True:
@@ -69,6 +83,17 @@ class Delivery:
                                      waiting=lambda: self.health.commit_failed("the transaction waits for the broker"))
                 self.health.committed()
                 return
+            except InDoubt as exc:
+                # given up on after its commit was asked for: its offsets, committed in the
+                # same transaction, say whether it went through (a batch without offsets
+                # cannot tell, and is sent again)
+                self.health.commit_failed(str(exc))
+                if offsets and self._landed(offsets):
+                    log.warning("%s, but the group's committed offsets are the batch's: it was committed", exc)
+                    self.health.committed()
+                    return
+                log.warning("%s; the batch was not committed (its offsets are not the group's): sending it again", exc)
+                backoff.wait()
             except GroupMovedOn as exc:
                 # An outage or a slow batch let the group rebalance. When this member gets its
                 # partitions back (static membership: the usual case), the aborted batch is
