@@ -63,9 +63,9 @@ def respond(records: list[dict[str, Any]], path: str, query: str,
                 model, revision, layer = key
                 return 404, page.render_notice(
                     "No traces of this layer seen",
-                    f"This instance has seen no traces of model {model!r} revision {revision!r} layer {layer}, and "
-                    "the records it read from the anomalies topic name none: not a healthy layer, one this monitor "
-                    "knows nothing of (a typo, traces yet to come, or another instance's).", index, layers)
+                    f"This instance has seen no traces of model {model!r} revision {revision!r} layer {layer} since it "
+                    "started, and the records it read from the anomalies topic name none: not a healthy layer, one "
+                    "this monitor knows nothing of (a typo, traces yet to come, or another instance's).", index, layers)
         return 200, page.render(case)
     return 404, page.render_notice("No such page", f"There is no triage page {path!r}.", index)
 

@@ -134,6 +134,24 @@ def test_an_incident_page_of_a_real_run_opens_offline_in_chromium(kafka_broker, 
         chips = page.locator("#involved [data-head]")
         assert {chips.nth(i).get_attribute("data-head") for i in range(chips.count())} == COLLAPSED_HEADS
         page.screenshot(path=str(tmp_path / "served-incident.png"), full_page=True)
+        # the index links every layer this instance has seen; a healthy layer's page names
+        # the reference that judges it and its contract, which no record of it does
+        page.goto(served, wait_until="load")
+        seen = page.locator("#layers-seen a").count()
+        assert seen >= 2 * len(HEALTHY.contract().layers)
+        page.locator('#layers-seen tr[data-layer="scenario-lm r1 0"] a').click()
+        page.wait_for_load_state("load")
+        assert page.locator('[data-field="reference_revision"]').inner_text() == "r1"
+        assert page.locator('[data-field="contract_id"]').inner_text() == HEALTHY.contract().contract_id
+        page.screenshot(path=str(tmp_path / "served-layer.png"), full_page=True)
+        assert errors == []
+        # a typo is a 404 listing the layers seen, a missing parameter a 400 naming it
+        response = page.goto(served + "layer?model=nosuch&revision=x&layer=9", wait_until="load")
+        assert response.status == 404 and "no traces of model 'nosuch'" in page.locator("#notice").inner_text()
+        assert page.locator("#layers-seen a").count() == seen
+        page.screenshot(path=str(tmp_path / "served-unseen.png"), full_page=True)
+        response = page.goto(served + "layer?model=scenario-lm&revision=r1", wait_until="load")
+        assert response.status == 400 and "layer is missing" in page.locator("#notice").inner_text()
         context.close()
     finally:
         monitor.process.stop()
