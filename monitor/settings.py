@@ -153,19 +153,21 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _pairs(self) -> Settings:
         if (self.metrics_tls_cert is None) != (self.metrics_tls_key is None):
-            raise ValueError("metrics_tls_cert and metrics_tls_key go together")
+            raise ValueError("ATTENTION_MONITOR_METRICS_TLS_CERT and ATTENTION_MONITOR_METRICS_TLS_KEY go together")
         if (self.metrics_basic_auth_user is None) != (self.metrics_basic_auth_password is None):
-            raise ValueError("metrics_basic_auth_user and metrics_basic_auth_password go together")
+            raise ValueError("ATTENTION_MONITOR_METRICS_BASIC_AUTH_USER and "
+                             "ATTENTION_MONITOR_METRICS_BASIC_AUTH_PASSWORD go together")
         if self.security_protocol.startswith("SASL") and not (
                 self.sasl_username and (self.sasl_password or self.sasl_password_file)):
-            raise ValueError("SASL needs sasl_username and sasl_password (or sasl_password_file)")
+            raise ValueError("SASL needs ATTENTION_MONITOR_SASL_USERNAME and ATTENTION_MONITOR_SASL_PASSWORD (or "
+                             "ATTENTION_MONITOR_SASL_PASSWORD_FILE)")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together")
+            raise ValueError("ATTENTION_MONITOR_SSL_CERTFILE and ATTENTION_MONITOR_SSL_KEYFILE go together")
         if self.triage_url is not None:
             parts = urllib.parse.urlsplit(self.triage_url)
             if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-                raise ValueError(f"triage_url must be an http(s) address such as https://monitor.example.com, "
-                                 f"got {self.triage_url!r}")
+                raise ValueError(f"ATTENTION_MONITOR_TRIAGE_URL must be an http(s) address such as "
+                                 f"https://monitor.example.com, got {self.triage_url!r}")
         return self
 
     # --- derived plain values -----------------------------------------------------

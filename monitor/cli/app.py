@@ -61,6 +61,8 @@ def load_json(path: Path, what: str) -> Any:
 
 
 def load_settings() -> Any:
+    """The ``ATTENTION_MONITOR_*`` settings; exit 1 naming each unusable variable (every
+    command reads its settings through here)."""
     from pydantic import ValidationError
 
     from monitor.settings import Settings
@@ -68,8 +70,41 @@ def load_settings() -> Any:
     try:
         return Settings()
     except ValidationError as exc:
-        typer.echo(f"error: invalid settings:\n{exc}", err=True)
+        typer.echo(f"error: unusable settings: {settings_problems(exc)}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
+
+
+def plain_problems(exc: Any, where: Any = None) -> str:
+    """A pydantic ``ValidationError`` as plain sentences, ``; ``-separated: each problem's
+    place (``where(error)``, default the dotted field path; none for the whole record) and
+    its message, a validator's own as written (without pydantic's ``Value error, ``)."""
+    from monitor.protocol.schema import IDENTIFIER_PATTERN, IDENTIFIER_RULE
+
+    problems = []
+    for error in exc.errors():
+        ctx = error.get("ctx") or {}
+        message = str(ctx["error"]) if error["type"] == "value_error" and "error" in ctx else error["msg"]
+        if error["type"] == "string_pattern_mismatch" and ctx.get("pattern") == IDENTIFIER_PATTERN:
+            message = f"{error['input']!r} {IDENTIFIER_RULE}"
+        place = where(error) if where is not None else ".".join(str(part) for part in error["loc"])
+        problems.append(f"{place}: {message}" if place else message)
+    return "; ".join(problems)
+
+
+def settings_problems(exc: Any) -> str:
+    """Settings' problems under the names they are set by (``ATTENTION_MONITOR_<FIELD>``),
+    with the value given unless the setting is a secret."""
+    from monitor.settings import Settings
+
+    def where(error: Any) -> str:
+        if not error["loc"]:
+            return ""
+        name = str(error["loc"][0])
+        field = Settings.model_fields.get(name)
+        shown = field is not None and "Secret" not in str(field.annotation) and "input" in error
+        return f"ATTENTION_MONITOR_{name.upper()}" + (f"={error['input']!r}" if shown else "")
+
+    return plain_problems(exc, where)
 
 
 def setup_logging(level: str) -> None:

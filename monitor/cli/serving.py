@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from monitor.cli.app import EXIT_FAILED, EXIT_USAGE, app, load_settings
+from monitor.cli.app import EXIT_FAILED, EXIT_USAGE, app, load_settings, plain_problems
 from monitor.errors import ExitCode
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -150,7 +150,8 @@ def outcome(
                                                    "as above); - reads stdin")] = None,
     timestamp: Annotated[float | None, typer.Option(help="when the outcome was known, epoch seconds (default: "
                                                     "now)")] = None,
-    timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for Kafka's acknowledgement")] = 30.0,
+    timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for Kafka, to connect and for its "
+                                           "acknowledgement")] = 30.0,
 ) -> None:
     """Send the outcome of a completion, joined by the monitor to its traces.
 
@@ -161,7 +162,10 @@ def outcome(
     ATTENTION_MONITOR_* as for `run` (no keyring needed: outcomes are not signed; Kafka's
     ACLs decide who may write them).
     Exit codes: 0 every outcome acknowledged, 1 unusable settings, 2 bad usage or an
-    invalid id, outcome or line (nothing is sent then), 3 Kafka did not acknowledge.
+    invalid id, outcome or line (nothing is sent then), 3 Kafka unreachable or did not
+    acknowledge. Acknowledged is stored, not matched: an outcome whose id no trace has
+    counts in the monitor's attention_monitor_outcomes_unmatched_total once its join
+    window (ATTENTION_MONITOR_JOIN_TTL_S) has passed.
     """
     records = _outcomes(request_id, result, from_file, {"label": label, "score": score, "timestamp": timestamp})
     settings = load_settings()
@@ -175,10 +179,17 @@ def outcome(
         record = records[0]
         graded = "".join(f" {name} {value}" for name, value in (("label", record.label), ("score", record.score))
                          if value is not None)
-        typer.echo(f"outcome {record.outcome}{graded} of {record.request_id} acknowledged on {topic} "
+        typer.echo(f"outcome {record.outcome}{graded} of {record.request_id} acknowledged by Kafka on {topic} "
                    f"(partition {sent[0][0]}, offset {sent[0][1]})")
     else:
-        typer.echo(f"{len(records)} outcomes acknowledged on {topic}")
+        typer.echo(f"{len(records)} outcomes acknowledged by Kafka on {topic}")
+    typer.echo(_UNMATCHED_NOTE)
+
+
+#: what an acknowledgement does not say (an outcome is matched to traces later, by the monitor)
+_UNMATCHED_NOTE = ("(Kafka's acknowledgement says the outcome was stored, not that a trace has its id: an outcome "
+                   "that meets no trace within the monitor's join window, ATTENTION_MONITOR_JOIN_TTL_S, counts in "
+                   "attention_monitor_outcomes_unmatched_total)")
 
 
 class _NotAcknowledged(Exception):
@@ -196,17 +207,18 @@ def _outcomes(request_id: str | None, result: str | None, from_file: Path | None
     from monitor.producer import TaskOutcome
 
     if (request_id is None) == (from_file is None) or (from_file is not None and result is not None):
-        typer.echo("error: give ID and OUTCOME (or --label), or --from FILE", err=True)
+        typer.echo("error: give ID and OUTCOME (or --label), or --from FILE, not both", err=True)
         raise typer.Exit(EXIT_USAGE)
     given = {name: value for name, value in options.items() if value is not None}
     given.setdefault("timestamp", time.time())
+    source = "stdin" if str(from_file) == "-" else str(from_file)
     if from_file is None:
         entries: list[tuple[str, Any]] = [("", {"request_id": request_id, "outcome": result, **given})]
     else:
         try:
             text = sys.stdin.read() if str(from_file) == "-" else from_file.read_text()
         except OSError as exc:
-            typer.echo(f"error: cannot read {from_file}: {exc.strerror}", err=True)
+            typer.echo(f"error: cannot read {source}: {exc.strerror}", err=True)
             raise typer.Exit(EXIT_USAGE) from exc
         entries = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -215,19 +227,19 @@ def _outcomes(request_id: str | None, result: str | None, from_file: Path | None
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError as exc:
-                typer.echo(f"error: {from_file} line {number} is not JSON: {exc}", err=True)
+                typer.echo(f"error: {source} line {number} is not JSON: {exc}", err=True)
                 raise typer.Exit(EXIT_USAGE) from exc
-            entries.append((f"{from_file} line {number}: ", {**given, **entry} if isinstance(entry, dict) else entry))
+            entries.append((f"{source} line {number}: ", {**given, **entry} if isinstance(entry, dict) else entry))
     records = []
     for where, entry in entries:
         try:
             records.append(TaskOutcome.model_validate(entry))
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors())
-            typer.echo(f"error: {where}{problems} (docs/wire-format.md says what an outcome record holds)", err=True)
+            typer.echo(f"error: {where}{plain_problems(exc)} (docs/wire-format.md says what an outcome record holds)",
+                       err=True)
             raise typer.Exit(EXIT_USAGE) from exc
     if not records:
-        typer.echo(f"error: {from_file} holds no outcome", err=True)
+        typer.echo(f"error: {source} holds no outcome", err=True)
         raise typer.Exit(EXIT_USAGE)
     return records
 
@@ -239,10 +251,12 @@ def _send(records: list[Any], settings: Any, timeout: float) -> list[tuple[int, 
     connection = settings.kafka_connection()
     try:
         # outcomes are not signed: the producer's key is never used for them
-        producer = TraceProducer(key_id="outcomes", secret=b"", topics=settings.topics(), **connection.kafka_python())
+        producer = TraceProducer(key_id="outcomes", secret=b"", topics=settings.topics(),
+                                 **{**connection.kafka_python(), "bootstrap_timeout_ms": int(timeout * 1000)})
     except Exception as exc:  # kafka-python's errors (no broker, bad security settings)
-        raise _NotAcknowledged(f"cannot reach Kafka at {connection.bootstrap_servers}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+        raise _NotAcknowledged(f"cannot reach Kafka at {connection.bootstrap_servers} "
+                               "(ATTENTION_MONITOR_BOOTSTRAP_SERVERS): "
+                               f"{_reason(exc)}") from exc
     try:
         futures = [producer.send_outcome(r.request_id, r.outcome, r.timestamp, label=r.label, score=r.score)
                    for r in records]
@@ -253,8 +267,15 @@ def _send(records: list[Any], settings: Any, timeout: float) -> list[tuple[int, 
             except Exception as exc:
                 raise _NotAcknowledged(f"the outcome of {record.request_id} was not acknowledged on "
                                        f"{settings.topics().outcomes} within {timeout:g} s: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                                       f"{_reason(exc)}") from exc
             sent.append((int(metadata.partition), int(metadata.offset)))
         return sent
     finally:
         producer.close(timeout)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as ``Name: message``, once (kafka-python's messages often begin with
+    their class's name already)."""
+    name, message = type(exc).__name__, str(exc)
+    return message if message.startswith(name) else f"{name}: {message}" if message else name

@@ -15,6 +15,9 @@ __all__ = ["FAILURE_LABELS", "OUTCOMES", "SUCCESS_LABELS", "Scope", "TaskOutcome
 SCHEMA_VERSION: Literal[1] = 1
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
 IDENTIFIER_MAX = 128
+#: the rule of IDENTIFIER_PATTERN and IDENTIFIER_MAX, as error messages say it
+IDENTIFIER_RULE = (f"must be 1-{IDENTIFIER_MAX} characters of A-Z a-z 0-9 . _ : / @ + = -, starting with a letter or "
+                   "digit")
 #: the words a task outcome may say (a trace whose outcome never came is ``missing``)
 OUTCOMES = ("success", "failure")
 Outcome = Literal["success", "failure"]
@@ -30,8 +33,7 @@ Identifier = Field(min_length=1, max_length=IDENTIFIER_MAX, pattern=IDENTIFIER_P
 def check_identifier(value: str, what: str) -> str:
     """``value`` if it can be a trace or request id; ``ValueError`` naming ``what`` otherwise."""
     if not isinstance(value, str) or not 0 < len(value) <= IDENTIFIER_MAX or not re.match(IDENTIFIER_PATTERN, value):
-        raise ValueError(f"{what} {value!r} must be 1-{IDENTIFIER_MAX} characters of A-Z a-z 0-9 . _ : / @ + = -, "
-                         "starting with a letter or digit")
+        raise ValueError(f"{what} {value!r} {IDENTIFIER_RULE}")
     return value
 
 

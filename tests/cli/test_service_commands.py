@@ -111,4 +111,5 @@ def test_triage_url_is_exported_for_alerts_and_checked(monkeypatch):
     assert not any(m.name == "attention_monitor_triage" for m in Service(Settings()).registry.collect())
     monkeypatch.setenv("ATTENTION_MONITOR_TRIAGE_URL", "monitor-1:9464")
     result = runner.invoke(app, ["check-config"])
-    assert result.exit_code != 0 and "triage_url must be an http(s) address" in result.output, result.output
+    assert result.exit_code == 1, result.output
+    assert "ATTENTION_MONITOR_TRIAGE_URL must be an http(s) address" in result.output
