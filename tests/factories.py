@@ -18,10 +18,11 @@ CONTRACTS = {CONTRACT.contract_id: CONTRACT}
 
 
 def make_trace(seed: int = 0, layer: int = 0, keys: int = 32, rows: int = 4, dtype: str = "float16",
-               collapse: float = 0.0, **header_fields):
+               collapse: float = 0.0, contract=CONTRACT, **header_fields):
+    """A valid trace of ``contract`` (another revision of the same model: ``MODEL``'s heads)."""
     rng = np.random.default_rng(seed)
     positions = sample_positions(rng, keys, rows)
-    header = make_header(CONTRACT, layer, positions, keys, dtype=dtype, **header_fields)
+    header = make_header(contract, layer, positions, keys, dtype=dtype, **header_fields)
     weights = trace_weights(rng, layer_roles(layer, MODEL.heads), positions, keys, collapse=collapse,
                             dtype=np.float16 if dtype == "float16" else np.float32)
     return header, weights

@@ -14,13 +14,14 @@ earlier ones, up to ``batches_in_flight`` batches at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from monitor.broker.group import GroupMember
 from monitor.broker.tables import TableReader
@@ -46,6 +47,7 @@ from monitor.settings import Settings
 __all__ = ["LAG_INTERVAL_S", "Loop"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 #: how often the broker is asked for the trace partitions' end offsets (lag and liveness)
 LAG_INTERVAL_S = 2.0
 #: how often the contracts and references topics are read for news (a trace naming a
@@ -184,15 +186,15 @@ class Loop:
         named = {named_contract(r.value, self.limits) for r in records if r.topic == self.topics.traces}
         return any(name is not None and self.service.contracts.get(name) is None for name in named)
 
-    def _until_done(self, action: Callable[[], None], what: str) -> None:
-        """``action``, retried while the broker is away (not ready meanwhile), until it
-        succeeds or a stop is asked for."""
+    def _until_done(self, action: Callable[[], T], what: str) -> T:
+        """``action``'s result, retried while the broker is away (not ready meanwhile),
+        until it succeeds or a stop is asked for."""
         backoff = Backoff()
         while True:
             try:
-                action()
+                done = action()
                 self.service.health.broker_answered()
-                return
+                return done
             except InfrastructureError as exc:
                 if not exc.retriable or self.service.stopping.is_set():
                     raise
@@ -217,11 +219,14 @@ class Loop:
         consumer.seek(change.resume)
         emitted: set[Source] = set()
         committed: dict[tuple[str, int], int] = {}
+        kafka = self.settings.kafka_connection()
+        # what follows reads the broker: a broker restarting meanwhile is waited out (each
+        # read is retried whole; nothing is taken in before its read is complete)
         if change.new:
-            committed = consumer.committed(change.new)
-            written = read_back(self.settings.kafka_connection(),
-                                [self.topics.anomalies, self.topics.dead_letter, self.topics.observations],
-                                change.new, committed, self.settings.dedupe_window)
+            committed = self._until_done(lambda: consumer.committed(change.new), "reading the committed offsets")
+            written = self._until_done(lambda: read_back(
+                kafka, [self.topics.anomalies, self.topics.dead_letter, self.topics.observations], change.new,
+                committed, self.settings.dedupe_window), "reading back the outputs of the assigned partitions")
             emitted = written.sources
             self.measuring.remember(written.trace_ids)  # a trace sent again after a restart stays a duplicate
             log.info("assigned %s; %d outputs already written for them, %d trace ids remembered", sorted(change.new),
@@ -232,15 +237,17 @@ class Loop:
                                {p for t, p in change.lost if t == self.topics.traces}, emitted)
         for topic, partition in sorted(change.new):
             if topic == self.topics.traces:  # its requests whose outcome may still come
-                kafka = self.settings.kafka_connection()
-                waiting = self.pipeline.late.rebuild(
-                    partition, (value for _, _, value in read_range(kafka, self.topics.pending, partition, None, None)))
+                written_pending = self._until_done(
+                    functools.partial(read_range, kafka, self.topics.pending, partition, None, None),
+                    f"reading {self.topics.pending}")
+                waiting = self.pipeline.late.rebuild(partition, (value for _, _, value in written_pending))
                 log.info("trace partition %d: %d requests awaiting their outcome, from %s", partition, waiting,
                          self.topics.pending)
         for topic, partition in sorted(change.new):
             if topic == self.topics.observations:
-                take_over(self.settings.kafka_connection(), self.topics, partition, committed[(topic, partition)],
-                          self.measuring, self.pipeline)
+                self._until_done(functools.partial(take_over, kafka, self.topics, partition,
+                                                   committed[(topic, partition)], self.measuring, self.pipeline),
+                                 f"taking over observations partition {partition}")
         return change.records
 
 

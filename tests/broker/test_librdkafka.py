@@ -12,11 +12,13 @@ import threading
 import time
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from kafka import KafkaConsumer
 from kafka.structs import MemberState
 
 from monitor.broker import librdkafka
 from monitor.broker.connection import Connection
+from monitor.broker.errors import from_librdkafka
 from monitor.broker.group import GroupMember
 from monitor.broker.librdkafka import QuietRepeats, group_metadata
 from monitor.broker.outputs import GroupMovedOn, OutputProducer
@@ -44,6 +46,17 @@ def test_one_connection_value_in_each_clients_words():
         Connection(" , ")
     with pytest.raises(ValueError, match="go together"):
         Connection("a:9092", security_protocol="SSL", ssl_certfile="/c.pem")
+
+
+def test_what_a_broker_restart_gives_is_retried_whatever_librdkafkas_flag():
+    """librdkafka leaves the retriable flag unset on most broker errors: a leader-epoch
+    error after a broker restart stopped a new owner reading its pending outcomes."""
+    restart = KafkaError(KafkaError.FENCED_LEADER_EPOCH)
+    assert not restart.retriable()  # librdkafka's own word
+    assert from_librdkafka("cannot read offsets", KafkaException(restart)).retriable
+    assert from_librdkafka("poll failed", KafkaError(KafkaError._TRANSPORT)).retriable
+    assert not from_librdkafka("poll failed", KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)).retriable
+    assert not from_librdkafka("poll failed", KafkaError(KafkaError._TRANSPORT, fatal=True)).retriable
 
 
 def test_group_metadata_read_from_librdkafkas_own():

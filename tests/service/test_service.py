@@ -34,12 +34,13 @@ from tests.service.harness import (
 pytestmark = pytest.mark.kafka
 
 
-def healthy(n, layer, start=0):
-    return [make_trace(1000 + start + i, layer=layer, keys=64, rows=6) for i in range(n)]
+def healthy(n, layer, start=0, **fields):
+    return [make_trace(1000 + start + i, layer=layer, keys=64, rows=6, **fields) for i in range(n)]
 
 
-def collapsed(n, layer, start=0):
-    return [make_trace(5000 + start + i, layer=layer, keys=64, rows=6, collapse=0.95) for i in range(n)]
+def collapsed(n, layer, start=0, **fields):
+    """``fields``: ``contract`` (another revision), header fields."""
+    return [make_trace(5000 + start + i, layer=layer, keys=64, rows=6, collapse=0.95, **fields) for i in range(n)]
 
 
 @pytest.fixture
