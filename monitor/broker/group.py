@@ -40,6 +40,7 @@ from monitor.broker.connection import Connection
 from monitor.broker.errors import from_librdkafka
 from monitor.broker.librdkafka import client_error, client_log, group_metadata
 from monitor.broker.offsets import Offsets
+from monitor.broker.outputs import GroupMovedOn
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Record
 
@@ -137,12 +138,19 @@ class GroupMember:
         return self._consumer.memberid() or ""
 
     def group_metadata(self) -> ConsumerGroupMetadata:
-        """What a transaction needs to commit this member's offsets (KIP-447)."""
+        """What a transaction needs to commit this member's offsets (KIP-447). Raises
+        :class:`GroupMovedOn` while the member has no member id for its generation (its
+        session expired in a broker outage and it is rejoining): no commit can be made
+        for it until it has rejoined (kafka-python refuses such metadata, ValueError)."""
         raw = self._consumer.consumer_group_metadata()
         try:
-            return group_metadata(raw)
+            metadata = group_metadata(raw)
         except ValueError as exc:
             raise InfrastructureError(str(exc), retriable=False) from exc
+        if metadata.generation_id > 0 and not metadata.member_id:
+            raise GroupMovedOn(f"this member has no member id for generation {metadata.generation_id} (it is "
+                               "rejoining its group)")
+        return metadata
 
     def rejoin(self, timeout_s: float) -> set[TP] | None:
         """After the group moved on (a commit refused for a stale generation): drive the
