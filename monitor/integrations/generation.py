@@ -115,6 +115,16 @@ class Generation:
                 state.open = False
             self._done(state)
 
+    @contextlib.contextmanager
+    def untraced(self, scope: Scope) -> Iterator[None]:
+        """Forward passes inside are of a request its caller serves untraced on purpose
+        (and counts itself): no trace, and not counted as ``outside_request``."""
+        token = _ACTIVE.set(_Request(self, (), (), scope, time.time()))
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
     def carry(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` bound to the open ``tap.request`` for another thread; call it once."""
         state = _ACTIVE.get()

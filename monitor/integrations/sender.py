@@ -27,9 +27,12 @@ class TapCounts:
     #: what the tap served untraced, by reason (see ``AttentionTap.counts``): requests, or
     #: forward passes for the reasons about passes
     untraced: Mapping[str, int] = field(default_factory=dict)
+    #: the reasons counted in forward passes rather than requests (``untraced_passes[...]`` in the line)
+    PER_PASS = frozenset({"outside_request"})
 
     def line(self) -> str:
-        untraced = "".join(f" untraced[{reason}]={n}" for reason, n in sorted(self.untraced.items()))
+        untraced = "".join(f" untraced{'_passes' if reason in self.PER_PASS else ''}[{reason}]={n}"
+                           for reason, n in sorted(self.untraced.items()))
         return (f"sampled={self.sampled} published={self.published} dropped={self.dropped} failed={self.failed} "
                 f"queued={self.queued}{untraced}")
 

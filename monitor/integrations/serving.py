@@ -35,7 +35,7 @@ from typing import Any
 from monitor.integrations.serving_ids import REQUEST_ID_KEY
 from monitor.integrations.transformers import AttentionTap, attach
 from monitor.producer import Scope, Topics, TraceProducer
-from monitor.protocol.schema import check_identifier
+from monitor.protocol.schema import IDENTIFIER_RULE, check_identifier
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,8 @@ class ServedModel:
         try:
             producer = publisher.producer()
         except Exception as exc:
-            raise RuntimeError(f"attention tap: cannot reach Kafka at {publisher.kafka.get('bootstrap_servers')}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"attention tap: cannot reach Kafka at {publisher.kafka.get('bootstrap_servers')} "
+                               f"(ATTENTION_MONITOR_BOOTSTRAP_SERVERS): {exc}") from exc
         try:
             tap = attach(model, producer, rows=settings.rows, sample_rate=settings.sample_rate,
                          layers=settings.layers, seed=settings.seed,
@@ -174,9 +174,9 @@ class ServedModel:
                                f"within {settings.contract_timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         served = cls(model, tap, producer, settings)
         model.generate = served.generate
-        log.info("attention tap on %s revision %s (contract %s, published to %s): sampling %g of requests, "
+        log.info("attention tap on %s revision %s (contract %s, published to %s): sampling %g %% of requests, "
                  "%d prompt rows and %d decoding steps per layer, traces to %s", contract.model_id,
-                 contract.model_revision, contract.contract_id, publisher.topics.contracts, settings.sample_rate,
+                 contract.model_revision, contract.contract_id, publisher.topics.contracts, settings.sample_rate * 100,
                  settings.rows, settings.decode_rows, publisher.topics.traces)
         threading.Thread(target=served._report, name="attention-tap-counts", daemon=True).start()
         served._stop_on_sigterm()
@@ -196,7 +196,8 @@ class ServedModel:
         refused, without a valid one)."""
         reason = self._admit(request_id)
         if reason is not None:
-            yield
+            with self.tap.untraced():  # counted here, by reason: not also as the tap's outside_request
+                yield
             return
         with self.tap.request(request_id):
             yield
@@ -227,10 +228,12 @@ class ServedModel:
                 first = False
                 self.counts.sampled += self.tap.sampled(request_id)
         if first:
-            log.warning("attention tap: a generation reached the model %s: served untraced; later ones are counted "
-                        "(untraced_%s in the counts line)", "without a trace id (an endpoint that is not traced, "
-                        "or the id was lost on the way)" if reason == "no_request_id"
-                        else f"with an invalid trace id {request_id!r}", reason)
+            why = ("a generation reached the model without a trace id (from an endpoint that is not traced, such "
+                   "as /v1/systemone)" if reason == "no_request_id" else
+                   f"the X-Request-ID header {request_id!r} cannot be a trace's request id: it {IDENTIFIER_RULE} "
+                   "(docs/serving.md)")
+            log.warning("attention tap: %s; the request is served untraced, later ones are counted, not logged "
+                        "(untraced_%s in the counts line)", why, reason)
         return reason
 
     # --- counts and stopping -------------------------------------------------------------

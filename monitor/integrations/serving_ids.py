@@ -18,9 +18,11 @@ the ``X-Request-ID`` it sent itself; it can send an outcome later only by one of
   before ``generate`` sees it (:mod:`monitor.integrations.serving`).
 
 Whatever the middleware cannot read (a body that is not a JSON object, a
-``generation_config`` that is not a JSON object, an ``X-Request-ID`` that cannot be a
-trace's request id) is passed on unchanged and served untraced, counted by reason in
-:class:`IdCounts` and said once in the log: never refused here.
+``generation_config`` that is not a JSON object) is passed on unchanged and served
+untraced, counted by reason in :class:`IdCounts` and said once in the log: never refused
+here. An ``X-Request-ID`` that cannot be a trace's request id is handed on like a valid
+one: the model's process serves that request untraced and counts it with its other
+counts (``untraced_invalid_request_id``), where it is seen, and says why once.
 """
 
 from __future__ import annotations
@@ -98,11 +100,13 @@ class IdCounts:
         with self._lock:
             self.requests += 1
 
-    def refuse(self, reason: str, detail: str) -> None:
+    def refuse(self, reason: str, detail: str | None) -> None:
+        """Count a request served untraced for ``reason``; say it once with ``detail``
+        (None: the model's process says it, as an invalid id reaches it)."""
         with self._lock:
             first = not self.untraced[reason]
             self.untraced[reason] += 1
-        if first:
+        if first and detail is not None:
             log.warning("attention tap: a request is served untraced (%s: %s); later ones are counted, not logged",
                         reason, detail)
 
@@ -128,12 +132,6 @@ class RequestIds:
             headers.append((X_REQUEST_ID, assigned.encode()))
         scope = {**scope, "headers": headers}
         request_id = trace_request_id(path, given, assigned)
-        try:
-            check_identifier(request_id, "X-Request-ID")
-        except ValueError as exc:
-            self.counts.refuse("invalid_request_id", str(exc))
-            await self.app(scope, receive, send)
-            return
         body, tail = await _read_body(receive)
         changed = with_request_id(body, request_id) if tail is None else None
         if changed is None:
@@ -141,6 +139,12 @@ class RequestIds:
                 self.counts.refuse("unreadable_body", f"{path}: not a JSON object with a JSON generation_config")
             await self.app(scope, _replay(body, tail, receive), send)
             return
+        try:
+            check_identifier(request_id, "X-Request-ID")
+        except ValueError:
+            # handed on as it is: the model's process serves it untraced, counts it under
+            # untraced_invalid_request_id with the model's other counts, and says why once
+            self.counts.refuse("invalid_request_id", None)
         scope["headers"] = [(name, value) for name, value in headers if name.lower() != b"content-length"]
         scope["headers"].append((b"content-length", str(len(changed)).encode()))
         await self.app(scope, _replay(changed, None, receive), send)

@@ -146,6 +146,12 @@ class AttentionTap(AttentionWrapper):
         published when the block ends (and the calls carried out of it have returned)."""
         return self._generation.request(request_id, scope or self.scope)
 
+    def untraced(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside belong to a request the caller serves untraced on purpose
+        and counts itself (one without a usable id): nothing is traced, and they are not
+        counted as ``outside_request``."""
+        return self._generation.untraced(self.scope)
+
     def carry(self, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` bound to the open ``tap.request`` block, to run on another thread:
         ``threading.Thread(target=tap.carry(model.generate), kwargs=...)`` (the streamer

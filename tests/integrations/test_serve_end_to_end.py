@@ -205,6 +205,7 @@ def test_with_continuous_batching_concurrent_completions_of_two_models_are_trace
         assert not rejected
         log = server.log()
         assert log.count("attention tap on tiny-") == 2  # one tap in each model's process
+        assert log.count("sampling 100 % of requests") == 2
         counted = [line for line in log.splitlines() if "attention tap counts:" in line]
         assert counted and all("untraced_no_request_id=0 untraced_invalid_request_id=0" in line
                                and "untraced[" not in line for line in counted)

@@ -92,9 +92,15 @@ def test_a_clients_x_request_id_is_kept_and_traced_as_sent_even_on_responses_and
     assert settings(downstream.body) == {"top_k": 3, REQUEST_ID_KEY: "team-a/req:42"}
 
 
+@pytest.mark.parametrize("invalid", [b"bad id!", b"-leading-dash", b"x" * 129])
+def test_an_invalid_x_request_id_is_handed_to_the_model_process_which_counts_it(invalid, caplog):
+    downstream, counts = call("/v1/chat/completions", CHAT, headers=[(b"x-request-id", invalid)])
+    assert settings(downstream.body) == {REQUEST_ID_KEY: invalid.decode()}
+    assert counts.untraced["invalid_request_id"] == 1 and counts.requests == 1
+    assert "attention tap" not in caplog.text  # the model's process says it, once
+
+
 @pytest.mark.parametrize(("body", "headers", "reason"), [
-    (CHAT, [(b"x-request-id", b"has a space")], "invalid_request_id"),
-    (CHAT, [(b"x-request-id", b"x" * 129)], "invalid_request_id"),
     (b"not json", [], "unreadable_body"),
     (b"[1, 2]", [], "unreadable_body"),
     (json.dumps({"messages": [], "generation_config": "{not json"}).encode(), [], "unreadable_body"),
