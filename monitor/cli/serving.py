@@ -3,8 +3,12 @@ completions by the ids the API returned."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,7 +28,7 @@ def _share(value: float) -> float:
     return value
 
 
-@app.command(context_settings=_PASS_THROUGH)
+@app.command(context_settings=_PASS_THROUGH, options_metavar="[MODEL] [OPTIONS]")
 def serve(
     ctx: typer.Context,
     sample_rate: Annotated[float, typer.Option(metavar="SHARE", callback=_share,
@@ -67,9 +71,10 @@ def serve(
     resp_...). Send its outcome later with `attention-monitor outcome ID success|failure`.
 
     Kafka, topics and keyring come from the ATTENTION_MONITOR_* settings, as for `run`.
-    Exit codes: 0 stopped (Ctrl-C, SIGTERM), 1 unusable settings, an unsupported
-    transformers, or the server stopped on an error (the model or its contract could not
-    be loaded or published), 2 bad usage. docs/serving.md explains.
+    Exit codes: 0 stopped (Ctrl-C, SIGTERM or SIGINT to its process or its process
+    group), 1 unusable settings, an unsupported transformers, or the server stopped on an
+    error (the model or its contract could not be loaded or published), 2 bad usage, 3
+    the server could not start (its --host and --port in use). docs/serving.md explains.
     """
     from monitor.errors import ConfigurationError
     from monitor.producer import Scope
@@ -117,12 +122,25 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _run(command: Any, args: list[str]) -> None:
-    """Run transformers' server command on ``args``; its usage errors exit 2, its
-    failures 1."""
+    """Run transformers' server command on ``args``: SIGTERM and SIGINT stop it cleanly
+    (exit 0), its usage errors exit 2, its failures 1, a server that cannot start (its
+    address in use) 3."""
     import click
 
     try:
-        code = command.main(args=list(args), prog_name="attention-monitor serve", standalone_mode=False)
+        with _stopped_cleanly():
+            try:
+                code = command.main(args=list(args), prog_name="attention-monitor serve", standalone_mode=False)
+            finally:
+                _children_stopped(CHILDREN_STOP_S)
+    except _Stop:
+        code = 0
+    except SystemExit as exc:
+        if exc.code != UVICORN_STARTUP_FAILURE:
+            raise
+        typer.echo("error: the server could not start (the error above; a --host and --port in use by another "
+                   "process is the usual cause)", err=True)
+        raise typer.Exit(ExitCode.INFRASTRUCTURE) from exc
     except click.ClickException as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)
         raise typer.Exit(EXIT_USAGE) from exc
@@ -132,6 +150,59 @@ def _run(command: Any, args: list[str]) -> None:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
     raise typer.Exit(code if isinstance(code, int) else 0)
+
+
+#: the exit code uvicorn ends the process with when the server cannot start (its address in use)
+UVICORN_STARTUP_FAILURE = 3
+#: seconds the server's processes get to stop once it has (the model's flushes the tap's queue)
+CHILDREN_STOP_S = 10.0
+
+
+def _children_stopped(timeout: float) -> None:
+    """Wait for the processes the server spawned (the model's, API processes) to exit,
+    terminating, then killing, those still running after ``timeout`` seconds."""
+    import multiprocessing
+    import time
+
+    deadline = time.monotonic() + timeout
+    children = multiprocessing.active_children()
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+            child.join(2)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+class _Stop(BaseException):
+    """SIGTERM or SIGINT before the server took its signals over (while loading)."""
+
+
+@contextlib.contextmanager
+def _stopped_cleanly() -> Iterator[None]:
+    """SIGTERM and SIGINT stop the server with exit 0. uvicorn takes both over while it
+    serves: it stops the server (whose shutdown stops the model's process, which flushes
+    the tap), then raises the signal again; our handler, restored by then, makes that a
+    clean stop instead of the default death by SIGTERM (143) or KeyboardInterrupt (130).
+    Before uvicorn serves (the model loading) the same handler stops the command; the
+    spawned processes exit with it. Several API processes: transformers' own handlers
+    exit 0 the same way."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise _Stop
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @app.command()
