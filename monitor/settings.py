@@ -93,7 +93,11 @@ class Settings(BaseSettings):
     judging: str | None = Field(None, exclude=True, description="removed (each stream is judged in one place)")
     incident_quiet_s: float = Field(600.0, gt=0, description="an incident closes after this long without a new "
                                     "anomaly of its family on its layer")
-    join_ttl_s: float = Field(30.0, gt=0)
+    #: short because a trace reaches its judge only when it leaves the join: a page comes at
+    #: most this much later than its evidence (docs/detection.md); an outcome after it still
+    #: counts, through the pending table (OUTCOME_WINDOW_S)
+    join_ttl_s: float = Field(5.0, gt=0, description="how long a trace waits for its outcome before it goes on to "
+                              "its judge (an outcome after it counts late)")
     join_max_entries: int = Field(200_000, gt=0)
     outcome_window_s: float = Field(OUTCOME_WINDOW_S, gt=0, description="how long after its request's first trace "
                                     "an outcome is still attributed (one that comes after the join window counts "
