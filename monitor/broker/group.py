@@ -21,8 +21,10 @@ static member whose session timed out in a broker outage rejoins under a new mem
 and the broker then fences its old one (``FENCED_INSTANCE_ID``). The member then starts
 a new client with the same settings: its partitions are revoked and assigned again, as
 in any rebalance, and kept ones resume where this instance left off. A second fatal
-error within ``RENEW_WINDOW_S`` (another process with the same group instance id, each
-fencing the other) stops the service.
+error within ``RENEW_WINDOW_S`` with no broker outage between them (another process with
+the same group instance id, each fencing the other) stops the service; one that follows
+another outage (two broker restarts a minute apart, a rolling restart) starts a new
+client again.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTH
 ASK_TIMEOUT_S = 15.0
 #: a second fatal consumer error within this long stops the service instead of starting a new client
 RENEW_WINDOW_S = 300.0
+#: client errors that say a broker (or all of them) could not be reached: an outage
+OUTAGE = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN})
 
 
 class Changes:
@@ -90,6 +94,8 @@ class GroupMember:
         self._stash: list[Record] = []  #: records fetched while rejoining, handed out by the next poll
         self._max_records = max_records
         self._renewed_at = -RENEW_WINDOW_S
+        #: the brokers were unreachable since the last new client: a fencing then follows an outage
+        self._outage_since_renewal = False
         self._held: set[TP] = set()  #: what the rebalance callbacks assigned and did not revoke
         self._config = connection.librdkafka() | {
             "group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
@@ -97,7 +103,7 @@ class GroupMember:
             "partition.assignment.strategy": "range",
             "max.partition.fetch.bytes": max_partition_fetch_bytes, "fetch.max.bytes": 4 * max_partition_fetch_bytes,
             "queued.max.messages.kbytes": max(1, 4 * max_partition_fetch_bytes // 1024),
-            "fetch.queue.backoff.ms": 5, "error_cb": client_error, "logger": client_log,
+            "fetch.queue.backoff.ms": 5, "error_cb": self._client_error, "logger": client_log,
         }
         if group_instance_id is not None:
             self._config["group.instance.id"] = group_instance_id
@@ -240,13 +246,19 @@ class GroupMember:
             log.warning("consumer: %s: %s (librdkafka retries by itself)", error.name(), error.str())
         return True
 
+    def _client_error(self, error: KafkaError) -> None:
+        """``error_cb``: logged; an outage (no broker reachable) is remembered for :meth:`_renew`."""
+        if error.code() in OUTAGE:
+            self._outage_since_renewal = True
+        client_error(error)
+
     def _renew(self, error: KafkaError) -> None:
         """Replace a client that failed for good (see the module's docstring)."""
-        if time.monotonic() - self._renewed_at < RENEW_WINDOW_S:
+        if time.monotonic() - self._renewed_at < RENEW_WINDOW_S and not self._outage_since_renewal:
             raise InfrastructureError(f"the consumer failed for good twice within {RENEW_WINDOW_S:.0f} s "
                                       f"(does another process use group instance id "
                                       f"{self._config.get('group.instance.id')}?): {error.str()}", retriable=False)
-        self._renewed_at = time.monotonic()
+        self._renewed_at, self._outage_since_renewal = time.monotonic(), False
         log.warning("the consumer failed for good (%s): starting a new one; its partitions are revoked and assigned "
                     "again", error.str())
         # a failed client forgets its assignment without a callback: revoke what it was given

@@ -182,3 +182,27 @@ def test_a_static_member_fenced_once_starts_a_new_client_and_stops_when_fenced_a
     finally:
         for consumer in (a, *others):
             consumer.close()
+
+
+def test_a_fencing_after_a_broker_outage_starts_a_new_client_again_and_one_without_stops():
+    """Two broker restarts a minute apart fence a static member twice (its session times
+    out in each outage): each follows an outage, so each starts a new client; two fencings
+    with the brokers reachable in between are another process with the same instance id.
+    The outage here is librdkafka's own: its brokers' port is closed."""
+    closed = member("127.0.0.1:1", "a-group", "traces", "an-instance")
+    fenced = KafkaError(KafkaError._FATAL, "fenced", fatal=True)
+
+    def outage_heard() -> bool:
+        closed.poll(100)
+        return closed._outage_since_renewal
+
+    try:
+        closed.subscribe()
+        for _ in range(2):  # fenced after an outage, twice within RENEW_WINDOW_S: a new client each time
+            poll_until(closed, outage_heard, "librdkafka never said its broker was unreachable", timeout=30)
+            closed._renew(fenced)
+        with pytest.raises(InfrastructureError, match="twice within") as raised:
+            closed._renew(fenced)  # no outage heard since the last new client
+        assert not raised.value.retriable
+    finally:
+        closed.close()
