@@ -145,6 +145,25 @@ def make_records(n: int, keys: int, rows: int, vary: bool = False
     return contract, table, records
 
 
+#: the bench's topics and their partitions (``b-<name>``), read by :func:`start_service`
+TOPICS = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1}
+
+
+def prepare_topics(bootstrap: str, contracts: list[ModelContract]) -> None:
+    """Create the bench's topics (:data:`TOPICS`) and publish ``contracts``, signed (the
+    service refuses unsigned contracts)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in TOPICS.items()},
+                        wait_for_metadata=True)
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for contract in contracts:
+        key, value = ContractTable.record(contract, KEY_ID, SECRET)
+        producer.send("b-contracts", key=key, value=value)
+    producer.flush()
+    producer.close()
+
+
 def tree(pid: int) -> list[int]:
     """The process and its descendants (the service and its measuring process)."""
     try:
@@ -277,18 +296,21 @@ class Premeasured:
         pass
 
 
-def rss_kib(pid: int) -> int:
+def pss_kib(pid: int) -> int:
     """Proportional resident memory (PSS: the shared ring counted once, not once per
-    process) of the process and its descendants."""
-    total = 0
-    for p in tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+    process) of one process, in KiB; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_kib(pid: int) -> int:
+    """PSS of the process and its descendants, in KiB."""
+    return sum(pss_kib(p) for p in tree(pid))
 
 
 def cpu_seconds(pid: int, label: str) -> dict[str, float]:
@@ -358,11 +380,13 @@ def label(config: tuple[int, str]) -> str:
     return processes_label(config[0])
 
 
-def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
-    """``python -m monitor run`` with ``processes`` measuring processes in its own
-    consumer group, from the first trace to the last. The rate is the consumed traces'
-    (the judging step follows the join's wait), and the run ends when every trace is
-    judged too, so its CPU holds both steps."""
+def start_service(bootstrap: str, group: str, processes: int, join_ttl: float | None = None
+                  ) -> tuple[ManagedProcess, int, Path]:
+    """``python -m monitor run`` on the bench's topics (:func:`prepare_topics`) with
+    ``processes`` measuring processes, in consumer group ``group`` with observation,
+    judge-state and pending-outcome topics of its own (created here), and the join TTL
+    ``join_ttl`` (None: the service's default). Returns the process, its metrics port and
+    its working directory (keyring, ``monitor.log``)."""
     work = Path(tempfile.mkdtemp(prefix="service-bench-"))
     (work / "keyring.json").write_text(json.dumps({KEY_ID: SECRET.decode()}))
     port = free_port()
@@ -374,10 +398,11 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
            "ATTENTION_MONITOR_METRICS_PORT": str(port),
            "ATTENTION_MONITOR_GROUP_ID": group, "OPENBLAS_NUM_THREADS": "1",
            "ATTENTION_MONITOR_ALLOWED_SCOPES": "*:*", "ATTENTION_MONITOR_MEASURE_PROCESSES": str(processes),
-           "ATTENTION_MONITOR_JOIN_TTL_S": str(args.join_ttl),
            "ATTENTION_MONITOR_OBSERVATIONS_TOPIC": f"b-observations-{group}",
            "ATTENTION_MONITOR_JUDGE_STATE_TOPIC": f"b-judge-state-{group}",
            "ATTENTION_MONITOR_PENDING_TOPIC": f"b-pending-outcomes-{group}"}
+    if join_ttl is not None:
+        env["ATTENTION_MONITOR_JOIN_TTL_S"] = str(join_ttl)
     # each run's own: a run must not judge the one before's observations
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics({f"b-{t}-{group}": {"num_partitions": 4, "replication_factor": 1}
@@ -385,6 +410,15 @@ def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace,
     admin.close()
     service = ManagedProcess("monitor", [sys.executable, "-m", "monitor", "run", "--log-level", "WARNING"],
                              work / "monitor.log", cwd=Path(__file__).resolve().parent.parent, env=env)
+    return service, port, work
+
+
+def serve(bootstrap: str, broker_pid: int, group: str, args: argparse.Namespace, processes: int) -> Served:
+    """``python -m monitor run`` with ``processes`` measuring processes in its own
+    consumer group, from the first trace to the last. The rate is the consumed traces'
+    (the judging step follows the join's wait), and the run ends when every trace is
+    judged too, so its CPU holds both steps."""
+    service, port, work = start_service(bootstrap, group, processes, args.join_ttl)
     rss: list[tuple[float, int]] = []  #: (time, KiB)
     #: the service's own time of the first accounted batch's last trace, and its count
     first: tuple[float, float] | None = None
@@ -471,14 +505,8 @@ def main() -> None:
     broker = start_broker("plaintext")
     try:
         bootstrap = broker.bootstrap
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-        topics = {"traces": 4, "outcomes": 4, "contracts": 1, "anomalies": 4, "dead": 1, "references": 1}
-        admin.create_topics({f"b-{t}": {"num_partitions": p, "replication_factor": 1} for t, p in topics.items()},
-                            wait_for_metadata=True)
-        admin.close()
+        prepare_topics(bootstrap, [contract])
         producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, batch_size=1 << 20)
-        key, value = ContractTable.record(contract, KEY_ID, SECRET)  # the service refuses unsigned contracts
-        producer.send("b-contracts", key=key, value=value)
         for k, v in records:
             producer.send("b-traces", key=k, value=v)
         producer.flush()
