@@ -74,6 +74,9 @@ def test_completions_are_traced_under_their_ids_and_their_outcomes_join_a_pinned
                 assert answer.id.startswith("chatcmpl-" if KINDS[i % 4].startswith("chat") else "cmpl-")
         healthy_ids = [a.id for a in answers]
         assert set(healthy_ids) <= traced_keys(kafka_broker.bootstrap, topics.traces)
+        # their outcomes take the traces out of the join (a long JOIN_TTL_S here, so that the
+        # canary's outcomes below join its findings): only then are they judged, and taught
+        send_outcomes(env, dict.fromkeys(healthy_ids, "success"), tmp_path)
         labels = {"model": "tiny-llama", "revision": healthy_rev}
         for layer in ("0", "1"):
             monitor.wait_until(lambda layer=layer: monitor.value(series("attention_reference_ready", layer=layer,
@@ -81,7 +84,6 @@ def test_completions_are_traced_under_their_ids_and_their_outcomes_join_a_pinned
                                timeout=120, what=f"the healthy revision's reference of layer {layer} ready")
             assert monitor.value(series("attention_layer_prompt_mass_count", layer=layer, **labels)) \
                 == HEALTHY_REQUESTS
-        send_outcomes(env, dict.fromkeys(healthy_ids, "success"), tmp_path)
         first.stop()
 
         # the canary, pinned to the healthy revision: its findings carry the completions' ids and outcomes
