@@ -56,7 +56,6 @@ class SeenLayer:
             return "learning" + held
         return "no verdict here (another instance may judge it)"
 
-
     @property
     def not_judged(self) -> str | None:
         """Why no finding can be raised on the layer here yet (None: a ready reference
