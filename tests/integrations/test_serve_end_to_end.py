@@ -98,8 +98,20 @@ def test_completions_are_traced_under_their_ids_and_their_outcomes_join_a_pinned
             found = [r for r in got[topics.anomalies] if r.get("schema") == "attention-anomaly/1"]
             return {r["request_id"] for r in found} >= set(canary_ids) and found
 
-        found = monitor.wait_until(lambda: findings(reader.poll()), timeout=120,
-                                   what="the canary's completions found, under their ids")
+        canary_labels = {"model": "tiny-llama", "revision": canary_rev}
+        monitor.wait_until(lambda: joined(monitor, canary_labels) == len(canary_ids), timeout=120,
+                           what="the canary's traces joined to their outcomes")
+        try:
+            found = monitor.wait_until(lambda: findings(reader.poll()), timeout=120,
+                                       what="the canary's completions found, under their ids")
+        except AssertionError as exc:
+            got = reader.records[topics.anomalies]
+            join = {k: v for k, v in monitor.metrics().items()
+                    if v and ("join" in k or "outcome" in k or "anomal" in k)}
+            raise AssertionError(f"{exc}\ncanary ids {canary_ids}, traced "
+                                 f"{sorted(set(canary_ids) & traced_keys(kafka_broker.bootstrap, topics.traces))}"
+                                 f"\nfound {[(r.get('request_id'), r.get('kind'), r.get('layer')) for r in got]}"
+                                 f"\njoin and outcomes {join}\ncanary tap: {last_counts(second.log())}") from exc
         assert {r["request_id"] for r in found} == set(canary_ids)
         assert {r["outcome"] for r in found} == {"failure"}
         assert {(r["model_id"], r["model_revision"], r["reference_revision"]) for r in found} \
