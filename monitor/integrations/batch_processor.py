@@ -138,16 +138,22 @@ _READ = ("inputs_and_outputs", "scheduler.active_requests", "scheduler.waiting_r
          "output_router.deliver_batch")
 
 
-def batch_members(processor: Any) -> list[Member]:
-    """Every request of the processor's current batch, in packing order."""
+def batch_requests(processor: Any) -> list[Any]:
+    """The entries of the processor's current batch as the engine holds them, in packing
+    order (each with its ``state`` and ``query_length``)."""
     ios = processor.inputs_and_outputs
     try:
         pairs = getattr(ios, "io_pairs", None)
         if pairs is not None:  # asynchronous batching: the pair of the batch being computed
             ios = pairs[ios.current_pair].host_io
-        batch = list(ios.requests_in_batch)
+        return list(ios.requests_in_batch)
     except (AttributeError, IndexError, TypeError) as exc:
         raise _missing("batch in inputs_and_outputs.requests_in_batch", exc) from exc
+
+
+def batch_members(processor: Any) -> list[Member]:
+    """Every request of the processor's current batch, in packing order."""
+    batch = batch_requests(processor)
     members, start = [], 0
     try:
         for future in batch:

@@ -58,6 +58,7 @@ from monitor.integrations.batch_processor import (
     ProcessorLookup,
     Unreadable,
     batch_members,
+    batch_requests,
     check_against_pass,
     present,
 )
@@ -150,17 +151,21 @@ class ContinuousBatching:
         if not isinstance(cache, PagedAttentionCache):
             return False
         self._local.batch = None
-        if torch.device(cache.device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        device = cache.device
+        if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda" and \
+                torch.cuda.is_current_stream_capturing():
             self._untraced("accelerator_graph", "continuous batching under CUDA graphs: captured passes are replayed "
                            "without Python, so nothing is traced (disable use_cuda_graph to trace)")
             return True
         try:
             processor = self._lookup.find(cache)
+            self._watch(processor)
+            if self._nothing_to_trace(processor):
+                return True
             members = batch_members(processor)
         except Unreadable as exc:
             self._untraced("continuous_batching_unreadable", str(exc))
             return True
-        self._watch(processor)
         entries: list[_Entry] = []
         traced: list[Member] = []
         with self._lock:
@@ -182,6 +187,23 @@ class ContinuousBatching:
                 self._refuse(entries, str(exc))
                 return True
         self._local.batch = _Batch(cache, tuple(entries)) if entries else None
+        return True
+
+    def _nothing_to_trace(self, processor: Any) -> bool:
+        """Whether the pass has nothing for the tap, told from the batch's request ids alone:
+        no stream is open (none to trace, none cancelled) and every request of the batch was
+        already decided unsampled. The common pass at a low sample rate then costs one
+        dictionary look-up per request; a request seen for the first time, or anything the
+        read does not expect, leaves the pass to the full read, which decides and checks."""
+        if self._streams:
+            return False
+        decided = self._decided
+        try:
+            for entry in batch_requests(processor):
+                if decided.get(entry.state.request_id) is not False:
+                    return False
+        except (AttributeError, TypeError):
+            return False
         return True
 
     def after_forward(self) -> None:

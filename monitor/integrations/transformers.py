@@ -114,9 +114,12 @@ class AttentionTap(AttentionWrapper):
         self._generation = Generation(model, rows=rows, decode_rows=decode_rows, layers=self.layers, seed=seed,
                                       sampled=self.sampled, sender=self._sender, untraced=self._untraced,
                                       layer_of=self.layer, templates=self._templates)
-        self._pass = threading.local()  #: whether the current thread's forward pass runs an unknown kernel
+        #: the current thread's forward pass: ``unknown``, whether it runs an unknown kernel;
+        #: ``idle``, whether its attention calls have nothing to trace (an unknown kernel, or a
+        #: continuous-batching pass without a traced request), the one flag every layer reads first
+        self._pass = threading.local()
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self._after = model.register_forward_hook(lambda *_: self._batching.after_forward())
+        self._after = model.register_forward_hook(self._after_forward)
         super().__init__(model, "attention-monitor-tap")
 
     # --- the model owner's verbs ------------------------------------------------------
@@ -189,7 +192,7 @@ class AttentionTap(AttentionWrapper):
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        self._pass.unknown = not _known_kernel(implementation)
+        self._pass.unknown = self._pass.idle = not _known_kernel(implementation)
         if self._pass.unknown:
             self._batching.after_forward()
             self._untraced("unknown_kernel", f"the attention implementation {implementation!r} is not one whose "
@@ -198,6 +201,7 @@ class AttentionTap(AttentionWrapper):
             return
         try:
             if self._batching.before_forward(kwargs):
+                self._pass.idle = not self._batching.active()
                 return
             self._generation.before_forward(args, kwargs)
         except Exception as exc:  # the tap never breaks the forward pass
@@ -226,9 +230,13 @@ class AttentionTap(AttentionWrapper):
     def attached(self) -> bool:
         return self.installed
 
+    def _after_forward(self, *_: Any) -> None:
+        self._batching.after_forward()
+        self._pass.idle = getattr(self._pass, "unknown", False)
+
     def around(self, module: Any, output: Any, query: torch.Tensor, key: torch.Tensor,
                attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
-        if getattr(self._pass, "unknown", False):
+        if getattr(self._pass, "idle", False):
             return output
         if self._batching.active():
             try:

@@ -210,6 +210,45 @@ def test_requests_joining_and_leaving_sampled_or_not_traced_once_under_their_own
     assert all(p >= 32 for h in shared for p in h.query_positions)  # the prefix's rows were never computed
 
 
+def test_a_sampled_request_joining_a_running_batch_of_unsampled_ones_is_traced_at_its_positions():
+    """While every request of the batch is unsampled and none is traced, a pass is told
+    from its request ids alone; a sampled request joining that batch mid-run (the others
+    unchanged, decoding) is traced all the same, prompt rows and decoding steps, under
+    its own id, and so is a second one joining after the first has left."""
+    model, eager = sharpened("llama")
+    sink = Collect()
+    tap = attach(model, sink, sample_rate=0.5, seed=5, rows=4, decode_rows=2, scope=SCOPE, revision="r1")
+    candidates = [f"c{i}" for i in range(40)]
+    unsampled = [c for c in candidates if not tap.sampled(c)][:3]
+    joining = [c for c in candidates if tap.sampled(c)][:2]
+    inputs = prompts(5, seed=23)
+    prompt_of = dict(zip([*unsampled, *joining], inputs, strict=True))
+    manager = model.init_continuous_batching(generation_config=greedy(40),
+                                             continuous_batching_config=continuous_batching_config())
+    manager.start()
+    try:
+        for rid in unsampled:
+            manager.add_request(prompt_of[rid], request_id=rid, max_new_tokens=40, streaming=rid == unsampled[0])
+        tokens: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        drain(manager, lambda _: len(tokens.get(unsampled[0], [])) >= 4, tokens, finished)  # all three decoding
+        manager.add_request(prompt_of[joining[0]], request_id=joining[0], max_new_tokens=6)
+        drain(manager, lambda done: joining[0] in done, tokens, finished)
+        assert tap.flush(timeout=30)
+        assert sorted((h.request_id, h.layer) for h, _, _ in sink.traces) == [(joining[0], 0), (joining[0], 1)]
+        assert not finished & set(unsampled)  # it joined and left a batch the others stayed in
+        manager.add_request(prompt_of[joining[1]], request_id=joining[1], max_new_tokens=6)
+        drain(manager, lambda done: len(done) == 5, tokens, finished)
+    finally:
+        manager.stop(block=True, timeout=30)
+    counts = tap.detach(timeout=30)
+    assert (counts.published, counts.failed, dict(counts.untraced)) == (4, 0, {}), counts.line()
+    assert sorted((h.request_id, h.layer) for h, _, _ in sink.traces) == [(rid, n) for rid in joining for n in (0, 1)]
+    decoding = check_rows(sink.traces, eager, {rid: prompt_of[rid] + tokens[rid] for rid in joining},
+                          {rid: len(prompt_of[rid]) for rid in joining})
+    assert decoding == 4 * 3  # two steps spread over the six, and the last
+
+
 def test_a_cancelled_request_is_published_with_the_rows_it_got_and_the_others_run_on():
     model, eager = sharpened("llama")
     sink = Collect()
