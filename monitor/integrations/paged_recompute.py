@@ -82,6 +82,17 @@ def rows_over_keys(query: torch.Tensor, positions: Sequence[int] | torch.Tensor,
     seeing only the keys its mask shows; and ``[H, R]`` the learned sink's share of each
     row (None without ``sinks``, ``[H]`` logits). Host ``positions`` are copied to the keys'
     device without waiting for it."""
+    distance = on_device(positions, key_positions.device)[:, None] - key_positions[None, :]  # [R, K]
+    visible = distance >= 0
+    if window:
+        visible = visible & (distance < window)
+    return _softmax_rows(query, keys, scaling, visible, softcap, sinks)
+
+
+def _softmax_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float, visible: torch.Tensor | None,
+                  softcap: float | None, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`rows_over_keys` once the keys each row sees are known: ``visible [R, K]``,
+    or None when every row sees every key."""
     heads, rows, dim = query.shape
     groups, count = keys.shape[0], keys.shape[1]
     if heads % groups:
@@ -90,11 +101,8 @@ def rows_over_keys(query: torch.Tensor, positions: Sequence[int] | torch.Tensor,
     scores = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(heads, rows, count) * scaling
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    distance = on_device(positions, key_positions.device)[:, None] - key_positions[None, :]  # [R, K]
-    visible = distance >= 0
-    if window:
-        visible = visible & (distance < window)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible[None], float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1), None
     sink = sinks.float().reshape(heads, 1, 1).expand(heads, rows, 1)
@@ -126,9 +134,12 @@ def paged_rows(query: torch.Tensor, positions: Sequence[int] | torch.Tensor, key
     first = max(0, min(rows) - window + 1) if window else 0
     where = slots(block_table, last, block_size, start=first, block_stride=block_stride, device=key_cache.device)
     keys = key_cache[where].transpose(0, 1)  # [G, K, d]
-    key_positions = torch.arange(first, last, device=key_cache.device)
-    weights, sink = rows_over_keys(query, rows, keys, key_positions, scaling, window=window, softcap=softcap,
-                                   sinks=sinks)
+    if min(rows) == last - 1:  # one position (a decoding step): it sees every key read, no mask to build
+        weights, sink = _softmax_rows(query, keys, scaling, None, softcap, sinks)
+    else:
+        key_positions = torch.arange(first, last, device=key_cache.device)
+        weights, sink = rows_over_keys(query, rows, keys, key_positions, scaling, window=window, softcap=softcap,
+                                       sinks=sinks)
     if first:
         weights = torch.nn.functional.pad(weights, (first, 0))
     return weights, sink

@@ -39,10 +39,11 @@ def scattered(key: torch.Tensor, stride: int, seed: int) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("stride", [BLOCK, 3 * BLOCK])
-def test_paged_rows_are_the_dense_rows(window, softcap, with_sinks, stride):
+@pytest.mark.parametrize("positions", [[0, 5, 17, 30, 44], [44]])  # prompt rows; one decoding step (no mask built)
+def test_paged_rows_are_the_dense_rows(window, softcap, with_sinks, stride, positions):
     query, key = sequence(1)
     cache, table = scattered(key, stride, 2)
-    rows = torch.tensor([0, 5, 17, 30, 44])
+    rows = torch.tensor(positions)
     sinks = torch.linspace(-2.0, 3.0, HEADS) if with_sinks else None
     kwargs = {"sliding_window": window, "softcap": softcap}
     dense, dense_sink = row_weights(query, key, torch.tensor([0]), rows[None], torch.ones(1, LENGTH, dtype=torch.bool),
@@ -53,7 +54,7 @@ def test_paged_rows_are_the_dense_rows(window, softcap, with_sinks, stride):
     np.testing.assert_allclose(weights.numpy(), dense[0].numpy(), atol=1e-6)
     if with_sinks:
         np.testing.assert_allclose(sink.numpy(), dense_sink[0].numpy(), atol=1e-6)
-        assert float(sink.max()) > 0.3
+        assert float(sink.max()) > 0.3 or positions == [44]  # row 0's few keys leave the sink much
     else:
         assert sink is None and dense_sink is None
 
