@@ -163,6 +163,8 @@ def measure_continuous_batching(model: Any, rounds: int, requests: int, new_toke
         continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=512, page_size=32))
     manager.start()
 
+    traced: dict[float | str | None, int] = {}  #: requests traced over the measured rounds
+
     def run(rate: float | str | None) -> tuple[float, float]:
         tap = None if not isinstance(rate, float) else attach(model, signing_sink, sample_rate=rate, revision="bench")
         try:
@@ -181,13 +183,15 @@ def measure_continuous_batching(model: Any, rounds: int, requests: int, new_toke
             return (time.perf_counter() - start) / tokens, (time.process_time() - cpu) / tokens
         finally:
             if tap is not None:
-                tap.detach(timeout=60)
+                counts = tap.detach(timeout=60)
+                traced[rate] = traced.get(rate, 0) + counts.sampled // model.config.num_hidden_layers
 
     print(f"continuous batching, Llama 8x8 hidden 512 (sdpa): {requests} requests of {min(lengths)}-{max(lengths)} "
           f"prompt tokens at once, {new_tokens} new tokens each, {rounds} rounds, per generated token")
     try:
         for rate in RATES:
             run(rate)  # warm-up of every path
+        traced.clear()
         times: dict[float | str | None, list[tuple[float, float]]] = {rate: [] for rate in RATES}
         for _ in range(rounds):
             for rate in RATES:
@@ -205,6 +209,8 @@ def measure_continuous_batching(model: Any, rounds: int, requests: int, new_toke
             extra = "the reference" if rate is None else \
                 f"mean {(mean / base_mean - 1) * 100:+.1f} %, median {(median / base_median - 1) * 100:+.1f} %"
             print(f"  {label:<15} mean {mean * 1e3:7.2f} ms  median {median * 1e3:7.2f} ms   {extra}")
+    for rate, count in traced.items():  # the request ids decide: at 1 %, the traced share is itself a draw
+        print(f" tap at {rate:.0%}: {count} of {rounds * requests} requests traced ({count / (rounds * requests):.2%})")
 
 
 def main() -> None:
