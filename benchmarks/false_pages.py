@@ -24,7 +24,8 @@ teach the reference, the rest are judged. Printed, per corpus and order and in t
   arithmetic predicts, under two models: *unbiased* (Siegmund's, unit-variance normal
   increments of mean ``−k``: a stream's maximum over ``n`` traces exceeds ``m`` with
   probability ``1 − exp(−n / ARL(m))``) and *estimation error* (the same averaged over
-  each stream's reference mean being off by ``b ~ N(0, 1/REFERENCE_TRACES)``, the model
+  each stream's reference mean being off by ``b ~ N(0, 1/REFERENCE_TRACES)`` and its
+  variance by a factor ``v``, ``log v ~ N(0, VARIANCE_ERROR/REFERENCE_TRACES)``, the model
   the detector's thresholds are computed from:
   :func:`monitor.core.calibration.corrected_threshold`).
   Under the right model these probabilities, one per stream, are uniform on (0, 1);

@@ -32,10 +32,18 @@ Thresholds
     stream whose mean is off by ``b`` feeds its CUSUM increments of mean ``b − k``, not
     ``−k``, and its run length shrinks exponentially with ``b``: thresholds from the
     unbiased model (Siegmund's) let the replay's most biased streams page and find far
-    more often than their budgets allow (docs/detection.md). So ``h`` is the threshold
-    whose false-alarm rate *averaged over that error*, ``E_b[1 / ARL(h; b − k)]`` with
-    ``b ~ N(0, 1/n)`` (Siegmund's approximation for drift ``b − k``), is ``1 / ARL``, and
-    never more than ``MAX_CORRECTION`` times the unbiased model's.
+    more often than their budgets allow (docs/detection.md). Its deviation is an estimate
+    too: the same replays measured each stream's increments with a variance ``v`` times
+    the reference's, ``log v`` spread with a standard deviation of 0.19–0.22 in every
+    reference (``VARIANCE_ERROR``), and a stream of ``v > 1`` runs as a CUSUM of unit
+    variance with threshold ``h/√v`` and drift ``(b − k)/√v``: where a biased mean and a
+    wide variance met (one reference in six), a correction for the mean alone left 38
+    times the page budget. So ``h`` is the threshold whose false-alarm rate *averaged
+    over both errors*, ``E[1 / ARL(h/√v; (b − k)/√v)]`` with ``b ~ N(0, 1/n)`` and ``log v
+    ~ N(0, VARIANCE_ERROR/n)`` (Siegmund's approximation for each), is ``1 / ARL``, and
+    never more than ``MAX_CORRECTION`` times the unbiased model's. The larger ``k`` the
+    less an error in the mean moves a stream's drift, which is why the detector's ``k``
+    is 0.75 (``DetectorConfig.shift`` 1.5).
 
     The detector (:mod:`monitor.core.detect`) computes both of its thresholds so, with
     ``n = REFERENCE_TRACES``: the page threshold from :func:`page_arl`
@@ -121,17 +129,43 @@ def cusum_run_length(h: float, drift: float) -> float:
     return math.log((math.exp(a) - a - 1) / (2 * drift * drift))
 
 
-#: Gauss–Hermite nodes and weights (probabilists'), for expectations over a normal error
-_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(81)
-_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
+#: a reference of ``n`` traces misjudges each stream's variance by a factor ``v`` with
+#: ``log v ~ N(0, VARIANCE_ERROR / n)``: 2 for normal values; measured on replayed healthy
+#: text (each stream's increment variance against its reference's, ``benchmarks/false_pages.py``):
+#: ``log v`` spread with a standard deviation of 0.19–0.22 in each of six 200-trace
+#: references, ``√(8 / 200) = 0.2``
+VARIANCE_ERROR = 8.0
+
+#: Gauss–Hermite nodes and weights (probabilists'), for expectations over a normal error:
+#: of a stream's mean (``_MEAN``) and of the logarithm of its variance (``_VARIANCE``)
+_MEAN, _MEAN_W = np.polynomial.hermite_e.hermegauss(81)
+_VARIANCE, _VARIANCE_W = np.polynomial.hermite_e.hermegauss(41)
+_MEAN_W, _VARIANCE_W = _MEAN_W / _MEAN_W.sum(), _VARIANCE_W / _VARIANCE_W.sum()
 
 
-def false_alarm_rate(h: float, k: float, reference_traces: int) -> float:
+def log_run_lengths(h: NDArray[np.float64], drift: NDArray[np.float64]) -> NDArray[np.float64]:
+    """:func:`cusum_run_length` elementwise, for arrays of thresholds and drifts."""
+    b = h + 1.166
+    a = -2 * drift * b
+    safe = np.where(np.abs(drift) < 1e-12, 1.0, drift)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        grows = np.where(np.abs(a) < 1e-4, a * a / 2 + a ** 3 / 6, np.expm1(np.minimum(a, 40.0)) - a)
+        out = np.where(a > 40, a - np.log(2 * safe * safe), np.log(grows / (2 * safe * safe)))
+    return np.where(np.abs(drift) < 1e-12, 2 * np.log(b), out)
+
+
+def false_alarm_rate(h: float, k: float, reference_traces: int, variance_error: float = VARIANCE_ERROR) -> float:
     """Expected false alarms per observation of a stream judged against a reference of
-    ``reference_traces`` traces: ``E_b[1 / ARL(h; b − k)]``, ``b ~ N(0, 1/n)``."""
-    tau = 1.0 / math.sqrt(max(reference_traces, 1))
-    return float(sum(w * math.exp(-cusum_run_length(h, tau * x - k)) for x, w in zip(_NODES, _WEIGHTS,
-                                                                                    strict=True)))
+    ``n = reference_traces`` traces: ``E[1 / ARL(h; b − k)]`` over the reference's error in
+    the stream's mean, ``b ~ N(0, 1/n)``, and in its variance, the stream's increments
+    having ``v`` times the variance the reference gives them, ``log v ~ N(0,
+    variance_error / n)`` (a CUSUM of increments of mean ``b − k`` and variance ``v`` is one
+    of unit variance, threshold ``h / √v`` and drift ``(b − k) / √v``)."""
+    n = max(reference_traces, 1)
+    b = _MEAN[:, None] / math.sqrt(n)
+    sd = np.exp(_VARIANCE[None, :] * math.sqrt(max(variance_error, 0.0) / n) / 2)
+    rates = np.exp(-log_run_lengths(h / sd, (b - k) / sd))
+    return float(_MEAN_W @ rates @ _VARIANCE_W)
 
 
 #: a corrected threshold is at most this many times the unbiased model's (a reference too
@@ -140,7 +174,8 @@ MAX_CORRECTION = 2.0
 
 
 @functools.lru_cache(maxsize=256)
-def corrected_threshold(arl: float, k: float, reference_traces: int) -> float:
+def corrected_threshold(arl: float, k: float, reference_traces: int,
+                        variance_error: float = VARIANCE_ERROR) -> float:
     """``h`` whose expected false-alarm rate over the reference's estimation error
     (:func:`false_alarm_rate`) is ``1 / arl`` (see the module documentation), between
     the unbiased model's threshold and ``MAX_CORRECTION`` times it."""
@@ -148,11 +183,11 @@ def corrected_threshold(arl: float, k: float, reference_traces: int) -> float:
         raise ValueError("arl must exceed 1 and k must be positive")
     lo = unbiased = _unbiased_threshold(arl, k)
     hi = MAX_CORRECTION * unbiased
-    if false_alarm_rate(hi, k, reference_traces) > 1 / arl:
+    if false_alarm_rate(hi, k, reference_traces, variance_error) > 1 / arl:
         return hi
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if false_alarm_rate(mid, k, reference_traces) > 1 / arl else (lo, mid)
+        lo, hi = (mid, hi) if false_alarm_rate(mid, k, reference_traces, variance_error) > 1 / arl else (lo, mid)
     return hi
 
 

@@ -28,9 +28,10 @@ Decision
     anomaly record (evidence) when it crosses ``h`` and the trace's own effect size
     ``z ≥ min_effect``; the *page* CUSUM, with a higher threshold, marks the anomaly
     ``pages`` when it crosses (the incident tracker opens an incident on it); each
-    restarts at 0 when it crosses. With the defaults a collapse of 10 sd is a finding
-    after seven traces and pages after eleven (MiniLM's 6 layers of 12 heads at a request
-    a second); a 1 sd shift takes tens of traces.
+    restarts at 0 when it crosses. With the defaults (``shift`` 1.5: ``k`` 0.75) a collapse
+    of 10 sd is a finding after six traces and pages after ten (MiniLM's 6 layers of 12
+    heads at a request a second); a 1.5 sd shift takes about 27 traces, a 1 sd shift about
+    80.
 
 Calibration
     Findings: ``h`` makes the in-control average run length (expected traces between
@@ -44,8 +45,9 @@ Calibration
     approximation for a CUSUM of unit-variance normal increments,
     ``ARL₀ ≈ (e^{2kb} − 2kb − 1) / (2k²)`` with ``b = h + 1.166``, averaged over the error
     of a reference of ``reference_traces`` traces (``REFERENCE_TRACES``) in each stream's
-    mean (:func:`~monitor.core.calibration.corrected_threshold`): without that
-    correction healthy replays paged and found many times more often than the budgets.
+    mean and variance (:func:`~monitor.core.calibration.corrected_threshold`): without
+    that correction healthy replays paged and found many times more often than the
+    budgets.
     The effect-size gate only removes alarms, so the realised rates are at most those.
     The defaults were chosen on real traffic of a real checkpoint (``benchmarks/soak.py``,
     ``benchmarks/false_pages.py``, ``docs/detection.md``).
@@ -103,7 +105,10 @@ class DetectorConfig:
     false_alarm_arl: float = 1_000_000.0
     #: expected false pages per model revision and week, at its observed request rate
     false_pages_per_week: float = 0.05
-    shift: float = 1.0
+    #: the shift (in sd) the CUSUMs are tuned to, ``k = shift / 2``: at 1.5 a reference's
+    #: error in a stream's mean moves its drift less than at 1.0, so the thresholds that
+    #: allow for that error are lower and a strong fault pages sooner (docs/detection.md)
+    shift: float = 1.5
     min_effect: float = 1.0
     #: standardised observations are clipped to ±clip before they enter the CUSUM, so one
     #: heavy-tailed outlier cannot cross the threshold alone (real head metrics are not normal)
