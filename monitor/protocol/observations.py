@@ -38,7 +38,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,8 @@ VERSION = 1
 #: of one transaction take as many records as they need
 RECORD_BYTES = 512 * 1024
 _PREFIX = struct.Struct(">4sBI")
+#: a record's size before its first entry: the prefix and an empty header
+_EMPTY = _PREFIX.size + len(b'{"entries":[]}')
 #: per-head metrics in their order on the wire, then similarity, diversity, effective heads
 _PER_HEAD = ("entropy", "concentration", "sink_share", "prompt_mass", "learned_sink")
 
@@ -125,10 +127,10 @@ def read(key: bytes | None, value: bytes | memoryview | None) -> tuple[tuple[str
     names (whatever the judge's own pins say: the instance that routed it decided);
     :class:`TraceRejected` (``malformed``) when either cannot be read."""
     model_id, judged_by = parse_key(key)
-    entries = decode(value)
+    entries = decode(value, judged_by)
     if any(e.identity.model_id != model_id for e in entries):
         raise _malformed(f"an entry of another model than its key's {model_id!r}")
-    return (model_id, judged_by), [replace(e, judged_by=judged_by) for e in entries]
+    return (model_id, judged_by), entries
 
 
 def encode(entries: Sequence[Forwarded]) -> bytes:
@@ -143,21 +145,17 @@ def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES
     each (one entry alone may exceed it: it still gets a record); ``late`` outcomes in
     the last."""
     out: list[bytes] = []
-    heads: list[dict[str, Any]] = []
+    heads: list[str] = []  #: each entry's JSON, encoded once: its size counts, and the header joins them
     blocks: list[bytes] = []
-    size = _PREFIX.size + len(b'{"entries":[]}')
+    size = _EMPTY
     for e in entries:
-        h = len(e.heads)
-        m = e.metrics
-        values = [_vector(getattr(m, name), h, name) for name in _PER_HEAD]
-        values.append(np.asarray(m.similarity, np.float64).reshape(h * h))
-        values.append(np.array([float(m.diversity), float(m.effective_heads)]))
-        block = np.concatenate(values).astype("<f8").tobytes()
-        head = {**e.identity.fields(), "heads": list(e.heads), **_outcome_fields(e.outcome)}
-        more = len(block) + len(json.dumps(head, separators=(",", ":"))) + 1
+        block = _block(e)
+        head = json.dumps({**e.identity.fields(), "heads": list(e.heads), **_outcome_fields(e.outcome)},
+                          separators=(",", ":"))
+        more = len(block) + len(head) + 1
         if limit is not None and heads and size + more > limit:
             out.append(_value(heads, blocks))
-            heads, blocks, size = [], [], _PREFIX.size + len(b'{"entries":[]}')
+            heads, blocks, size = [], [], _EMPTY
         heads.append(head)
         blocks.append(block)
         size += more
@@ -166,8 +164,25 @@ def encode_within(entries: Sequence[Forwarded], limit: int | None = RECORD_BYTES
     return out
 
 
-def _value(heads: list[dict[str, Any]], blocks: list[bytes], late: list[dict[str, Any]] | None = None) -> bytes:
-    text = json.dumps({"entries": heads, **({"late": late} if late else {})}, separators=(",", ":")).encode()
+def _block(e: Forwarded) -> bytes:
+    """An entry's metrics as little-endian float64, in the wire's order."""
+    h = len(e.heads)
+    m = e.metrics
+    block = np.empty(_floats(h), "<f8")
+    for i, name in enumerate(_PER_HEAD):
+        values = getattr(m, name)
+        block[i * h:(i + 1) * h] = math.nan if values is None else _vector(values, h, name)
+    start = len(_PER_HEAD) * h
+    block[start:start + h * h] = np.asarray(m.similarity, np.float64).reshape(h * h)
+    block[-2:] = float(m.diversity), float(m.effective_heads)
+    return block.tobytes()
+
+
+def _value(heads: list[str], blocks: list[bytes], late: list[dict[str, Any]] | None = None) -> bytes:
+    """The record: the header ``{"entries": [...], "late": [...]}`` (as ``json.dumps`` with
+    compact separators writes it) of the entries' JSON, then their metric blocks."""
+    more = ',"late":' + json.dumps(late, separators=(",", ":")) if late else ""
+    text = ('{"entries":[' + ",".join(heads) + "]" + more + "}").encode()
     return _PREFIX.pack(MAGIC, VERSION, len(text)) + text + b"".join(blocks)
 
 
@@ -191,9 +206,10 @@ def _outcome(entry: dict[str, Any]) -> Outcome:
                    float(entry.get("outcome_at") or 0.0))
 
 
-def decode(value: bytes | memoryview | None) -> list[Forwarded]:
-    """The entries of one record's value, in order; :class:`TraceRejected` (``malformed``)
-    naming what is wrong when it cannot be read."""
+def decode(value: bytes | memoryview | None, judged_by: str | None = None) -> list[Forwarded]:
+    """The entries of one record's value, in order (``judged_by``: the revision its key
+    names, :func:`read`); :class:`TraceRejected` (``malformed``) naming what is wrong when
+    it cannot be read."""
     data = bytes(value or b"")
     if len(data) < _PREFIX.size:
         raise _malformed(f"{len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
@@ -211,10 +227,11 @@ def decode(value: bytes | memoryview | None) -> list[Forwarded]:
     expected = sum(_floats(h) for h in heads) * 8
     if len(data) - start != expected:
         raise _malformed(f"{len(data) - start} bytes of metrics where the header's head counts make {expected}")
-    floats = np.frombuffer(data, "<f8", offset=start)
+    # one writable, aligned copy of the record's metrics: each entry's arrays are views of it
+    floats = np.frombuffer(data, "<f8", offset=start).astype(np.float64)
     out, at = [], 0
     for entry, h in zip(entries, heads, strict=True):
-        out.append(_entry(entry, h, floats[at: at + _floats(h)]))
+        out.append(_entry(entry, h, floats[at: at + _floats(h)], judged_by))
         at += _floats(h)
     return out
 
@@ -255,7 +272,8 @@ def _vector(values: Any, h: int, name: str) -> np.ndarray[Any, np.dtype[np.float
     return vector
 
 
-def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.float64]]) -> Forwarded:
+def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.float64]],
+           judged_by: str | None) -> Forwarded:
     try:
         source = entry["source"]
         identity = TraceIdentity(
@@ -265,17 +283,15 @@ def _entry(entry: dict[str, Any], h: int, floats: np.ndarray[Any, np.dtype[np.fl
             trace_timestamp=float(entry["trace_timestamp"]),
             source=(str(source["topic"]), int(source["partition"]), int(source["offset"])),
             rows=_rows(entry.get("rows")))
-        heads, outcome = tuple(str(head) for head in entry["heads"]), _outcome(entry)
+        heads, outcome = tuple(map(str, entry["heads"])), _outcome(entry)
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(f"an entry's identity is incomplete: {type(exc).__name__}: {exc}") from exc
-    per_head = {name: floats[i * h:(i + 1) * h].copy() for i, name in enumerate(_PER_HEAD)}
-    rest = floats[len(_PER_HEAD) * h:]
+    rest = len(_PER_HEAD) * h
     metrics = HeadMetrics(
-        entropy=per_head["entropy"], concentration=per_head["concentration"], sink_share=per_head["sink_share"],
-        similarity=rest[: h * h].reshape(h, h).copy(), diversity=np.array(rest[h * h]),
-        effective_heads=np.array(rest[h * h + 1]), prompt_mass=per_head["prompt_mass"],
-        learned_sink=per_head["learned_sink"])
-    return Forwarded(identity, heads, metrics, outcome)
+        entropy=floats[:h], concentration=floats[h:2 * h], sink_share=floats[2 * h:3 * h],
+        similarity=floats[rest:rest + h * h].reshape(h, h), diversity=floats[-2:-1].reshape(()),
+        effective_heads=floats[-1:].reshape(()), prompt_mass=floats[3 * h:4 * h], learned_sink=floats[4 * h:5 * h])
+    return Forwarded(identity, heads, metrics, outcome, judged_by)
 
 
 def _malformed(detail: str) -> TraceRejected:
