@@ -85,20 +85,31 @@ def encode(header: TraceHeader, weights: NDArray[np.generic], key_id: str, secre
 
 
 def valid_keys(header: TraceHeader) -> NDArray[np.bool_]:
-    """``[rows, keys]``: what each sampled row may see under the header's mask semantics."""
-    k = header.key_count
+    """``[rows, keys]``: what each sampled row may see under the header's mask semantics
+    (read-only: a request's traces, one a layer, share it)."""
+    return _visible(header.mask, header.key_count, tuple(header.query_positions), header.window, header.padding,
+                    header.padding_side)
+
+
+@functools.lru_cache(maxsize=8)
+def _visible(mask: str, k: int, query_positions: tuple[int, ...], window: int | None, padding: int,
+             padding_side: str) -> NDArray[np.bool_]:
+    """:func:`valid_keys` of these header fields, kept for the 8 seen last (each a byte a
+    weight of one head: no more than the record it came with, already checked against
+    ``Limits.max_record_bytes``)."""
     keys = _key_indices(k)
     visible: NDArray[np.bool_]
-    if header.mask == "causal":
-        positions = np.array(header.query_positions)[:, None]
+    if mask == "causal":
+        positions = np.array(query_positions)[:, None]
         visible = keys[None, :] <= positions
-        if header.window is not None:
-            visible &= keys[None, :] > positions - header.window
+        if window is not None:
+            visible &= keys[None, :] > positions - window
     else:
-        visible = np.ones((len(header.query_positions), k), dtype=bool)
-    if header.padding:
-        pad = keys < header.padding if header.padding_side == "left" else keys >= k - header.padding
+        visible = np.ones((len(query_positions), k), dtype=bool)
+    if padding:
+        pad = keys < padding if padding_side == "left" else keys >= k - padding
         visible &= ~pad[None, :]
+    visible.flags.writeable = False
     return visible
 
 

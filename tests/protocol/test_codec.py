@@ -149,10 +149,11 @@ def test_visible_keys_follow_the_mask_and_the_padding(mask, padding, side):
     padded = set(range(padding)) if side == "left" else set(range(12 - padding, 12))
     expected = [[(mask == "bidirectional" or key <= row) and key not in padded for key in range(12)]
                 for row in h.query_positions]
-    for _ in range(2):  # the second call reads the key indices kept from the first
+    for _ in range(2):  # the second call returns the mask kept from the first
         visible = valid_keys(h)
         np.testing.assert_array_equal(visible, np.array(expected))
-        visible[:] = False  # the caller's to change: nothing kept is touched
+        with pytest.raises(ValueError, match="read-only"):
+            visible[:] = False  # shared by the traces of the same fields: nobody may change it
 
 
 def test_rejections_after_the_signature_carry_the_header_for_the_dead_letter():
