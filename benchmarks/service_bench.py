@@ -52,6 +52,12 @@ trace is judged, so its CPU holds both steps.
 Last, it measures alone, one step at a time, the per-trace work the service must do
 beyond what the references do: validating the header, the detector, and the join with
 the exporter's bookkeeping; added to the references' CPU, they give a third ceiling.
+Then what the present design adds between the steps, each alone too: a measuring
+process's whole work on a trace (decoding, every check of the record, the metrics) against
+the verifying, measuring and header counted before; copying the record into the shared
+ring; pickling and unpickling the results; encoding and reading the observations record.
+Their sum against the references' CPU is the least this design can cost before the Kafka
+clients and the broker carry its transactions and observations.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -81,14 +88,16 @@ from devstack.process import ManagedProcess, free_port
 from monitor.core._blocks import Scratch
 from monitor.core.detect import Detector, DetectorConfig, Observation
 from monitor.core.metrics import head_metrics
+from monitor.core.outcome import PENDING
 from monitor.measuring import batching
 from monitor.measuring.measurer import Measured, MeasurerSpec, Result, trace_identity
 from monitor.measuring.tuning import reuse_freed_memory
 from monitor.measuring.workers import CHUNK_RECORDS, Measuring, chunks
-from monitor.protocol import wire
+from monitor.protocol import observations, wire
 from monitor.protocol.access import Keyring, ScopePolicy
 from monitor.protocol.codec import Limits, Trace, decode, encode
 from monitor.protocol.model_contract import ContractTable, ModelContract
+from monitor.protocol.observations import Forwarded
 from monitor.protocol.records import Record
 from monitor.protocol.schema import TraceHeader
 from monitor.protocol.topics import Topics
@@ -277,6 +286,56 @@ def required_cpu(decoded: list[Trace], records: list[tuple[bytes, bytes]]) -> Re
         account = (time.process_time() - start) / len(results)
         pipeline.close()
         best = Required(min(best.header, header), min(best.detector, judged), min(best.account, account))
+    return best
+
+
+@dataclass
+class Handoffs:
+    """CPU seconds per trace of what the present design does between the steps, each alone."""
+
+    observe: float  #: a measuring process's whole work on a trace (decode, every check, metrics), in-process
+    ring: float  #: copying the record's value into the shared ring
+    results: float  #: a chunk's observations pickled in the child and unpickled in the service
+    forward: float  #: the observations record: encoded by the measuring instance, read by the judge
+
+    @property
+    def total(self) -> float:
+        return self.ring + self.results + self.forward
+
+
+def handoff_cpu(records: list[tuple[bytes, bytes]], table: ContractTable, keyring: Keyring,
+                scopes: ScopePolicy) -> Handoffs:
+    """Each hand-off alone, over all the traces, best of two passes."""
+    observer = MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000).observer()
+    observer.set_contracts(table.contracts())
+    placed = [Record("b-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]
+    parts = [chunk for chunk, _ in chunks(placed)]
+    ring = bytearray(max(size for _, size in chunks(placed)))
+    best = Handoffs(*[float("inf")] * 4)
+    for _ in range(2):
+        start = time.process_time()
+        observed = [observer.observe(chunk) for chunk in parts]
+        observe = (time.process_time() - start) / len(records)
+        start = time.process_time()
+        for chunk in parts:
+            at = 0
+            for record in chunk:
+                value = record.value or b""
+                ring[at : at + len(value)] = value
+                at += len(value)
+        copied = (time.process_time() - start) / len(records)
+        start = time.process_time()
+        back = [pickle.loads(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)) for chunk in observed]
+        results = (time.process_time() - start) / len(records)
+        entries = [Forwarded(o.identity, o.heads, o.metrics, PENDING) for chunk in back for o in chunk]
+        key = observations.judge_key(entries[0].identity.model_id, entries[0].identity.model_revision)
+        start = time.process_time()
+        for first in range(0, len(entries), 500):  # a batch's traces, as the service forwards them
+            for value in observations.encode_within(entries[first : first + 500]):
+                observations.read(key, value)
+        forward = (time.process_time() - start) / len(records)
+        best = Handoffs(min(best.observe, observe), min(best.ring, copied), min(best.results, results),
+                        min(best.forward, forward))
     return best
 
 
@@ -533,6 +592,7 @@ def main() -> None:
         core_batched = max(core_rate(decoded, per_call) for _ in range(3))
         core = max(core_single, core_batched)
         required = required_cpu(decoded, records)
+        handoffs = handoff_cpu(records, table, keyring, scopes)
 
         measuring = Measuring(MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000), processes=0)
         measuring.sync_contracts(table)
@@ -594,6 +654,14 @@ def main() -> None:
     own = least + required.total
     print(f"adding the service's own steps, each measured alone (header {required.header * 1e6:.0f} us, detector "
           f"{required.detector * 1e6:.0f} us, join and export {required.account * 1e6:.0f} us): {own * 1e3:.2f} ms")
+    checked = verify + 1 / core + required.header  #: what of a measuring process's work is counted above
+    handed = own + handoffs.total + handoffs.observe - checked
+    print(f"and what the present design does between them, each measured alone: a measuring process's whole work "
+          f"{handoffs.observe * 1e3:.2f} ms (verifying, measuring and the header above are {checked * 1e3:.2f}), "
+          f"the copy into the shared ring {handoffs.ring * 1e6:.0f} us, the results' pickle and unpickle "
+          f"{handoffs.results * 1e6:.0f} us, the observations record encoded and read {handoffs.forward * 1e6:.0f} us: "
+          f"{handed * 1e3:.2f} ms, {handed / least:.2f}x the references' (before the Kafka clients' and the broker's "
+          "share of the transactions and the observations)")
     print(f"service warm-up run, not counted: {warm_up.rate:.0f} traces/s, CPU per trace "
           f"{warm_up.cpu_per_trace / least:.2f}x the references'")
     fastest = {c: max(runs, key=lambda r: r.rate) for c, runs in served_by.items()}
