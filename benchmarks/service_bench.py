@@ -308,9 +308,10 @@ def handoff_cpu(records: list[tuple[bytes, bytes]], table: ContractTable, keyrin
     """Each hand-off alone, over all the traces, best of two passes."""
     observer = MeasurerSpec(keyring, scopes, Limits(), DetectorConfig(), 100_000).observer()
     observer.set_contracts(table.contracts())
-    placed = [Record("b-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]
-    parts = [chunk for chunk, _ in chunks(placed)]
-    ring = bytearray(max(size for _, size in chunks(placed)))
+    sized = list(chunks([Record("b-traces", 0, i, k, v) for i, (k, v) in enumerate(records)]))
+    parts = [chunk for chunk, _ in sized]
+    ring = bytearray(max(size for _, size in sized))
+    batch = Settings.model_fields["batch_max_records"].default  #: a poll's traces, forwarded together
     best = Handoffs(*[float("inf")] * 4)
     for _ in range(2):
         start = time.process_time()
@@ -330,8 +331,8 @@ def handoff_cpu(records: list[tuple[bytes, bytes]], table: ContractTable, keyrin
         entries = [Forwarded(o.identity, o.heads, o.metrics, PENDING) for chunk in back for o in chunk]
         key = observations.judge_key(entries[0].identity.model_id, entries[0].identity.model_revision)
         start = time.process_time()
-        for first in range(0, len(entries), 500):  # a batch's traces, as the service forwards them
-            for value in observations.encode_within(entries[first : first + 500]):
+        for first in range(0, len(entries), batch):
+            for value in observations.encode_within(entries[first : first + batch]):
                 observations.read(key, value)
         forward = (time.process_time() - start) / len(records)
         best = Handoffs(min(best.observe, observe), min(best.ring, copied), min(best.results, results),
