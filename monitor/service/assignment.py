@@ -1,9 +1,11 @@
 """Which partitions this instance owns, and what a rebalance means for them.
 
 The range assignor is eager: every rebalance first revokes everything, then assigns the
-full new set. A revocation only *parks* partitions (nothing is committed for them from
-then on); the rebalance is complete when the new assignment arrives, and only then is
-the state of partitions that went elsewhere dropped.
+full new set. A revocation only *parks* partitions (nothing is written or committed for
+them from then on: the batches that finish meanwhile are held by
+:class:`monitor.service.delivery.Delivery` until it completes); the rebalance is complete when
+the new assignment arrives, and only then is the state of partitions that went
+elsewhere dropped.
 
 Kept partitions resume where this instance left off. The poll that brought the
 rebalance may already hold records of them, read from wherever the consumer's position

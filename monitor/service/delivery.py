@@ -43,12 +43,21 @@ class Delivery:
         self.save_state = save_state
         self.committed: dict[TP, int] = {}
         self.rejoin_timeout_s = 60.0
+        #: batches completed while a rebalance was under way, written when it completes
+        self.held: list[Batch] = []
 
     def complete(self, batch: Batch) -> None:
-        """Commit a batch's outputs with the offsets it allows for partitions still owned
-        (a rebalance while it ran may have moved some elsewhere)."""
-        # only partitions surely still ours are committed
-        self.assignment.reached(batch.positions)
+        """Commit a batch's outputs with the offsets it allows for partitions still owned.
+
+        While a rebalance is under way (partitions revoked, the new assignment not
+        known yet), the batch is held instead, for :meth:`reassigned`: its outputs are
+        only ever written in the transaction that commits its offsets, or not at all. A
+        partition's new owner resumes from the group's commit, and outputs written
+        without their offsets would be written by both (anomaly records twice)."""
+        self.assignment.reached(batch.positions)  # kept partitions resume after it
+        if self.assignment.parked:
+            self.held.append(batch)
+            return
         committing = self.assignment.committing
         offsets = {tp: o for tp, o in batch.committable.items()
                    if tp in committing and self.committed.get(tp) != o}
@@ -60,6 +69,19 @@ class Delivery:
         self.committed.update(offsets)
         self.pipeline.committed(offsets)
         self.metrics.commits.inc()
+
+    def reassigned(self, lost: set[TP]) -> None:
+        """The rebalance completed with ``lost`` gone elsewhere: the batches held since
+        it began are committed with their kept partitions' offsets, without what the new
+        owners of ``lost`` do again (:meth:`Batch.without`); dropped when the service
+        stops first (read again from the commit)."""
+        if self.held:
+            count, held, self.held = len(self.held), Batch.merged(self.held), []
+            kept = held.without(lost, self.pipeline.topics)
+            log.info("the group rebalanced with %d batches finished meanwhile: %d of their %d outputs written, the "
+                     "rest left to the new owners of %d partitions", count, len(kept.outputs), len(held.outputs),
+                     len(lost))
+            self.complete(kept)
 
     def _landed(self, offsets: dict[TP, int]) -> bool:
         """Whether the group's committed offsets are ``offsets``: asked once a new

@@ -216,6 +216,7 @@ class Loop:
         the poll that brought it still to process (see :mod:`monitor.service.assignment`)."""
         service, consumer = self.service, self.consumer
         change = service.assignment.assign(assigned, records)
+        self.delivery.reassigned(change.lost)  # the batches held while the group rebalanced
         consumer.seek(change.resume)
         emitted: set[Source] = set()
         committed: dict[tuple[str, int], int] = {}

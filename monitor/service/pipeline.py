@@ -70,6 +70,21 @@ class Batch:
         return Batch([o for b in batches for o in b.outputs], batches[-1].positions, batches[-1].committable,
                      any(b.taught for b in batches))
 
+    def without(self, lost: set[TP], topics: Topics) -> Batch:
+        """This batch as its instance may still write it once a rebalance moved the
+        partitions ``lost`` elsewhere: what their new owner does again from the group's
+        commit is left out (a judge's outputs, dead letters and the pending outcomes'
+        changes of those partitions: written here too, they would be written twice). The
+        observation records it forwards stay: one may carry traces of partitions kept as
+        well, and a judge forwarded a trace twice judges it once."""
+        def redone(out: Output) -> bool:
+            topic, partition, _ = out.source
+            if topic == topics.pending:
+                topic = topics.traces  # a trace partition's requests awaiting their outcome
+            return out.topic != topics.observations and (topic, partition) in lost
+
+        return Batch([o for o in self.outputs if not redone(o)], self.positions, self.committable, self.taught)
+
 
 class Pipeline:
     def __init__(
