@@ -73,6 +73,9 @@ REBALANCING = ("PreparingRebalance", "CompletingRebalance")
 SETTINGS = {"measure_processes": 0, "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000,
             "state_save_interval_s": 30, "reference_pins": PINS, "delivery_timeout_ms": 15_000}
 Finding = tuple[str, str]  #: trace id, kind
+#: what the instances log of rebalances, takeovers and transactions (a failure's report shows these lines)
+TOLD = ("assigned", "rebalanced", "judging observations partition", "transaction", "in doubt", "sending it again",
+        "stopping", "restarting", "consumer failed")
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,12 @@ class Fleet:
     def logs(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("monitor-*.log")))
 
+    def told(self, words: tuple[str, ...]) -> list[str]:
+        """The instances' log lines that say any of ``words``, in time order, each after its instance's name."""
+        lines = [(line[:23], f"{path.stem} {line[11:240]}") for path in sorted(self.workdir.glob("monitor-*.log"))
+                 for line in path.read_text(errors="replace").splitlines() if any(w in line for w in words)]
+        return [text for _, text in sorted(lines)]
+
 
 @dataclass
 class Run:
@@ -264,14 +273,21 @@ class Run:
     rebalances: float = 0.0
     exits: dict[str, int | None] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    began: float = 0.0  #: wall-clock time of the run's start
+    #: when each finding's records were written (``detected_at``, seconds into the run)
+    written_at: dict[Finding, list[float]] = field(default_factory=dict)
+    #: the instances' log lines about rebalances, takeovers and transactions, for a report of a failure
+    log_lines: list[str] = field(default_factory=list)
 
 
 def written(records: dict[str, list[dict[str, Any]]], topics: Topics, canary: dict[str, int], run: Run) -> None:
-    run.findings, run.opened, run.incidents = Counter(), [], set()
+    run.findings, run.opened, run.incidents, run.written_at = Counter(), [], set(), {}
     numbers = []
     for doc in records[topics.anomalies]:
         if doc.get("schema") == "attention-anomaly/1":
             run.findings[(doc["trace_id"], doc["kind"])] += 1
+            run.written_at.setdefault((doc["trace_id"], doc["kind"]), []).append(
+                float(doc.get("detected_at") or 0.0) - run.began)
             if doc["trace_id"] in canary:
                 numbers.append(canary[doc["trace_id"]])
         elif doc.get("schema") == "attention-incident/1":
@@ -357,7 +373,7 @@ def disturbed(broker: KafkaBroker, workdir: Path, reference: list[Request], flow
     undisturbed run wrote is written and every request committed (or a deadline)."""
     began = time.monotonic()
     stage = Stage(broker, workdir, f"disturbed-{time.time_ns()}", partitions)
-    fleet, run = stage.fleet, Run()
+    fleet, run = stage.fleet, Run(began=time.time())
     steps = 4 * rounds
     segments = [flow[i * len(flow) // steps:(i + 1) * len(flow) // steps] for i in range(steps)]
 
@@ -427,6 +443,7 @@ def disturbed(broker: KafkaBroker, workdir: Path, reference: list[Request], flow
     written(stage.reader.records, stage.topics, canary_numbers(flow), run)
     logs = fleet.logs()
     run.events.append(f"takeovers of an observations partition: {logs.count('judging observations partition')}")
+    run.log_lines = fleet.told(TOLD)
     run.seconds = time.monotonic() - began
     return run
 
@@ -490,6 +507,12 @@ def report(figures: Figures) -> str:
                         ("unexpected", figures.unexpected[:5])):
         if items:
             lines.append(f"  {what}, first: {items}")
+    for finding in list(figures.doubled)[:5]:
+        at = ", ".join(f"{t:.1f}" for t in stormy.written_at.get(finding, []))
+        lines.append(f"  {finding} written at {at} s into the disturbed run")
+    if figures.lost or figures.doubled or figures.unexpected:
+        lines += ["", f"the instances' logs of rebalances, takeovers and transactions (the run began at "
+                      f"{time.strftime('%H:%M:%S', time.localtime(stormy.began))}):", *stormy.log_lines[-80:]]
     return "\n".join(lines)
 
 

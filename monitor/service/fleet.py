@@ -153,10 +153,15 @@ class Judges:
         self._keys_on.setdefault(partition, set()).update(keys)
         self._queued[partition] = committed
 
-    def reassign(self, positions: dict[tuple[str, int], int]) -> None:
-        """After a rebalance: the observations partitions still owned, from where they resume."""
-        self._queued = {p: o for (t, p), o in positions.items() if t == self.topics.observations}
-        self._keys_on = {p: keys for p, keys in self._keys_on.items() if p in self._queued}
+    def reassign(self, positions: dict[tuple[str, int], int], lost: set[int]) -> set[JudgeKey]:
+        """After a rebalance: the observations partitions kept resume from ``positions``
+        (one not read from since its takeover, from where the takeover left it), with
+        every key they hold, read or taken over; the keys of those ``lost`` are returned."""
+        gone = {key for p in lost for key in self._keys_on.get(p, ())}
+        self._queued = {p: o for p, o in self._queued.items() if p not in lost}
+        self._queued.update({p: o for (t, p), o in positions.items() if t == self.topics.observations})
+        self._keys_on = {p: keys for p, keys in self._keys_on.items() if p not in lost}
+        return gone
 
 
 class Replaying(Protocol):

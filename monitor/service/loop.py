@@ -235,7 +235,7 @@ class Loop:
         if change.kept:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
         self.pipeline.reassign({tp: o for tp, o in service.assignment.positions.items() if tp in assigned},
-                               {p for t, p in change.lost if t == self.topics.traces}, emitted)
+                               change.lost, emitted)
         for topic, partition in sorted(change.new):
             if topic == self.topics.traces:  # its requests whose outcome may still come
                 written_pending = self._until_done(

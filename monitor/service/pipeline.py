@@ -259,7 +259,7 @@ class Pipeline:
                           record=value, key=record.key, header=header)
         return [Output(self.topics.dead_letter, record.key, encode_dead_letter(doc), source)]
 
-    def reassign(self, positions: dict[TP, int], lost: Iterable[int], emitted: set[Source]) -> None:
+    def reassign(self, positions: dict[TP, int], lost: set[TP], emitted: set[Source]) -> None:
         """After a rebalance, with no batch in flight: ``positions`` are where the
         assigned partitions resume; waiting state of the trace partitions ``lost`` to
         other instances is dropped, and those traces leave the measurer's
@@ -267,9 +267,10 @@ class Pipeline:
         the last commit and must be processed again); ``emitted`` are sources whose
         outputs are already written (found by reading the output topics back)."""
         self._progress = dict(positions)
-        self.judges.reassign(positions)
-        self.late.drop_partitions(lost)
-        dropped = self.join.drop_partitions(lost)
+        self.judges.reassign(positions, {p for t, p in lost if t == self.topics.observations})
+        traces = {p for t, p in lost if t == self.topics.traces}
+        self.late.drop_partitions(traces)
+        dropped = self.join.drop_partitions(traces)
         self.measuring.forget([waiting.trace.trace_id for waiting in dropped])
         with self._emitted_lock:
             self._emitted |= emitted

@@ -11,7 +11,7 @@ import monitor.measuring.measurer as measure_module
 from monitor.core.detect import DetectorConfig
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.workers import Measuring
-from monitor.protocol import observations
+from monitor.protocol import judge_state, observations
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Output, Record
@@ -34,13 +34,13 @@ class Clock:
 def make_pipeline():
     made = []
 
-    def make(clock=None):
+    def make(clock=None, **settings):
         contracts = ContractTable()
         contracts.add(CONTRACT)
         measuring = Measuring(MeasurerSpec(KEYRING, SCOPES, Limits(), DetectorConfig(), dedupe_window=1000), 0)
         measuring.sync_contracts(contracts)
         registry = CollectorRegistry()
-        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock())
+        pipe = Pipeline(measuring, metrics=MonitorMetrics(registry), join_ttl=10, clock=clock or Clock(), **settings)
         made.append((pipe, measuring))
         return pipe, registry
 
@@ -171,3 +171,39 @@ def test_joined_traces_leave_for_their_judge_and_the_records_given_to_the_judge_
 
 
 LAYER = {"model": "test-model", "revision": "rev-1", "layer": "0"}
+
+
+def forwarded(pipe: Pipeline, n: int) -> Output:
+    """The observations record that ``n`` traces joined to their outcomes leave in."""
+    traces = [Record(TRACES, 0, i, b"k", make_record(i, request_id=f"req-{i}")) for i in range(n)]
+    outcomes = [Record(OUTCOMES, 0, i, b"k", json.dumps({"request_id": f"req-{i}", "outcome": "success"}).encode())
+                for i in range(n)]
+    (record,) = [o for o in run(pipe, *traces, *outcomes) if o.topic == OBSERVATIONS]
+    return record
+
+
+def round_keys(outputs: list[Output], partition: int) -> set[tuple[str, str]]:
+    """The judge keys with state in the rounds written to ``partition`` of the judge-state topic."""
+    return {tuple(o.key.decode().split("\x00")[:2]) for o in outputs
+            if o.topic == Topics().judge_state and o.partition == partition and o.key != judge_state.MARKER}
+
+
+def test_a_judges_partition_kept_through_a_rebalance_keeps_the_keys_it_took_over_in_its_rounds(make_pipeline):
+    """A partition taken over and kept by the next rebalance before any of its records
+    was read keeps the state of the keys it took over in its next round (it lost them:
+    the round after named only keys read since, and the next owner's takeover then
+    started the others afresh, their references forgotten)."""
+    first, _ = make_pipeline()
+    record = forwarded(first, 3)
+    run(first, Record(OBSERVATIONS, 2, 0, record.key, record.value))  # rev-1 learns from 3 traces
+    key = ("test-model", "rev-1")
+    (state,) = first.measuring.key_states([key]).result()
+    assert state.by_layer()  # there is something to lose
+
+    second, _ = make_pipeline(state_interval=0.0)  # a round with every batch
+    second.measuring.restore([state])  # as take_over leaves a partition it took over
+    second.judges.restored(2, [key], committed=1)
+    second.reassign({}, set(), set())  # a rebalance keeps partition 2; none of its records read yet
+    other = observations.judge_key("test-model", "rev-0")  # another key of the partition, pinned to rev-0
+    outputs = run(second, Record(OBSERVATIONS, 2, 1, other, record.value))
+    assert round_keys(outputs, 2) == {key}  # rev-0 has learned nothing: it judges by a reference not made
