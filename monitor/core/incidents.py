@@ -51,6 +51,8 @@ HEAD_MIN_TRACES = 2
 PENDING_TRACES = 64
 #: an incident whose account changed is written again once its last record is this old (seconds)
 ACCOUNT_REFRESH_S = 15.0
+#: why an incident closed without a record: its revision is judged elsewhere now
+HANDED_OVER = "handed over"
 RevisionKey = tuple[str, str]  # model, revision
 PendingKey = tuple[str, str, int, str]  # model, revision, layer, family
 
@@ -193,7 +195,8 @@ class Change:
     what: str  #: "opened", "updated" or "closed"
     incident: Incident
     #: of an update: "heads" (another head named), "layers" (a layer annotated, or an
-    #: annotation paged) or "account" (more evidence, its last record ACCOUNT_REFRESH_S old)
+    #: annotation paged) or "account" (more evidence, its last record ACCOUNT_REFRESH_S old);
+    #: of a closing, HANDED_OVER (no record: another tracker judges the revision now)
     reason: str = ""
 
 
@@ -204,6 +207,8 @@ class IncidentTracker:
         self.quiet = quiet
         self.max_open = max_open
         self.open: dict[RevisionKey, Incident] = {}
+        #: open incidents of revisions judged elsewhere now (:meth:`hand_over`)
+        self.handed: set[RevisionKey] = set()
         #: evidence of layers and families of revisions without an open incident (bounded)
         self._pending: OrderedDict[PendingKey, deque[_Pending]] = OrderedDict()
 
@@ -322,6 +327,7 @@ class IncidentTracker:
                 traces = int(d.get("traces", 0))
                 account = HeadAccount(traces, counts, [h for h, n in counts.most_common()
                                                        if n >= max(HEAD_MIN_TRACES, HEAD_SHARE * traces)])
+            self.handed.discard(key)
             self.open[key] = Incident(
                 key, int(d["layer"]), str(d["family"]), now - float(d["open_for"]), now - float(d["quiet_for"]),
                 float(d["opened_wall"]), int(d["anomalies"]), account, Counter(d["kinds"]),
@@ -331,6 +337,13 @@ class IncidentTracker:
                 dict(d["strongest"]), str(d["reference_revision"]), None, float(d.get("evidence_since", 0.0)),
                 now - float(d.get("written_for", 0.0)), dict(d.get("written") or account.to_dict()))
 
+    def hand_over(self, keys: Iterable[RevisionKey]) -> None:
+        """These revisions are judged by another tracker from now on (it took their open
+        incidents over, :meth:`restore`): here they only wait to go quiet, and close
+        then as "handed over", which is no record (the other tracker writes what
+        follows; a "closed" from here would contradict it while the fault goes on)."""
+        self.handed |= set(keys) & self.open.keys()
+
     def expire(self, now: float) -> list[Change]:
         """Close the incidents quiet for ``quiet`` seconds, and forget evidence as old."""
         done = [key for key, incident in self.open.items() if now - incident.last_at >= self.quiet]
@@ -338,7 +351,9 @@ class IncidentTracker:
         for key in done:
             incident = self.open.pop(key)
             incident.closed_at = now
-            changes.append(self._written(Change("closed", incident), now))
+            reason = HANDED_OVER if key in self.handed else ""
+            self.handed.discard(key)
+            changes.append(self._written(Change("closed", incident, reason), now))
         for stale in [k for k, kept in self._pending.items() if not kept or now - kept[-1].at >= self.quiet]:
             del self._pending[stale]
         return changes

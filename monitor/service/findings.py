@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Any
 
 from monitor.core.detect import Verdict
-from monitor.core.incidents import Change, IncidentTracker
+from monitor.core.incidents import HANDED_OVER, Change, IncidentTracker
 from monitor.core.outcome import PENDING, Outcome
 from monitor.measuring.measurer import Duplicate, Rejected
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record, outcome_record
@@ -143,6 +143,14 @@ class Findings:
         """Records of the incidents quiet for long enough to close."""
         return self.incident_records(self.incidents.expire(self._clock()), NO_SOURCE)
 
+    def hand_over(self, judges: set[tuple[str, str]], judged_by: Callable[[str, str], str]) -> None:
+        """The judge keys ``judges`` (model, judging revision) went to another instance
+        with their partition, and the open incidents of the revisions they judge with
+        them: here those incidents stay open until quiet (the gauge keeps the alert, its
+        ``max`` over instances, from dipping while the new judge takes over), then
+        close without a record (:meth:`IncidentTracker.hand_over`)."""
+        self.incidents.hand_over(key for key in self.incidents.open if (key[0], judged_by(*key)) in judges)
+
     def restore(self, incidents: list[dict[str, Any]]) -> None:
         """Open incidents handed over with a moved partition (:meth:`IncidentTracker.restore`)."""
         self.incidents.restore(incidents, self._clock())
@@ -168,7 +176,10 @@ class Findings:
                 log.warning("incident opened: %s (heads %s)", incident.id, ", ".join(incident.involved()) or "-")
             elif change.what == "closed":
                 series.incident_open[incident.family].set(0)
-                log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
+                if change.reason == HANDED_OVER:
+                    log.info("incident %s quiet here: its revision is judged by another instance since", incident.id)
+                else:
+                    log.info("incident closed: %s (%d findings)", incident.id, incident.anomalies)
             elif change.reason == "layers":
                 layers = ", ".join(f"{a.layer} ({a.relation}{', paged' if a.paged else ''})"
                                    for _, a in sorted(incident.also_changed.items()))
@@ -176,6 +187,8 @@ class Findings:
             elif change.reason == "heads":
                 log.info("incident %s names heads %s", incident.id, ", ".join(incident.involved()))
             series.incident_heads(incident.family, {} if change.what == "closed" else incident.named_counts())
+            if change.reason == HANDED_OVER:
+                continue
             doc = incident_record(incident.summary(), change.what, self._wall())
             out.append(Output(self.topics.anomalies, incident.id.encode(), json.dumps(doc, sort_keys=True).encode(),
                               source))

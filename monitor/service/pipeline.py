@@ -267,7 +267,8 @@ class Pipeline:
         the last commit and must be processed again); ``emitted`` are sources whose
         outputs are already written (found by reading the output topics back)."""
         self._progress = dict(positions)
-        self.judges.reassign(positions, {p for t, p in lost if t == self.topics.observations})
+        gone = self.judges.reassign(positions, {p for t, p in lost if t == self.topics.observations})
+        self.findings.hand_over(gone, self.judges.judged_by)
         traces = {p for t, p in lost if t == self.topics.traces}
         self.late.drop_partitions(traces)
         dropped = self.join.drop_partitions(traces)

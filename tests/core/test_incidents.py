@@ -11,7 +11,7 @@ import json
 import pytest
 
 from monitor.core.detect import Anomaly
-from monitor.core.incidents import ACCOUNT_REFRESH_S, HeadAccount, IncidentTracker
+from monitor.core.incidents import ACCOUNT_REFRESH_S, HANDED_OVER, HeadAccount, IncidentTracker
 
 
 def anomaly(kind, heads, effect=5.0, layer=2, pages=False):
@@ -108,6 +108,21 @@ def test_an_incident_taken_over_by_another_tracker_stays_one_incident():
         "updated"]
     assert moved.open[("m", "r2")].anomalies == 2
     assert moved.expire(now=5_609) == [] and [c.what for c in moved.expire(now=5_610)] == ["closed"]
+
+
+def test_an_incident_handed_over_closes_here_without_a_record_and_is_taken_back_by_a_restore():
+    tracker = IncidentTracker(quiet=600)
+    observe(tracker, [anomaly("low_diversity", ["head-1"], pages=True)], now=100)
+    state = tracker.state([("m", "r2")], now=200)
+    tracker.hand_over([("m", "r2"), ("m", "never-open")])
+    assert tracker.handed == {("m", "r2")}
+    assert tracker.expire(now=699) == []  # open here until quiet, like any other
+    assert [(c.what, c.reason) for c in tracker.expire(now=700)] == [("closed", HANDED_OVER)]
+    assert tracker.handed == set()
+    tracker.restore(state, now=800)  # the partition came back: its incident is this tracker's again
+    tracker.hand_over([("m", "r2")])
+    tracker.restore(state, now=900)
+    assert [(c.what, c.reason) for c in tracker.expire(now=1_400)] == [("closed", "")]
 
 
 def test_the_heads_account_names_a_head_once_supported_and_never_drops_it():

@@ -8,13 +8,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import monitor.measuring.measurer as measure_module
-from monitor.core.detect import DetectorConfig
+from monitor.core.detect import Anomaly, DetectorConfig
+from monitor.core.outcome import Outcome
+from monitor.core.verdict import Verdict
 from monitor.measuring.measurer import MeasurerSpec
 from monitor.measuring.workers import Measuring
 from monitor.protocol import judge_state, observations
 from monitor.protocol.codec import Limits
 from monitor.protocol.model_contract import ContractTable
-from monitor.protocol.records import Output, Record
+from monitor.protocol.records import Output, Record, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.pipeline import Pipeline
@@ -207,3 +209,29 @@ def test_a_judges_partition_kept_through_a_rebalance_keeps_the_keys_it_took_over
     other = observations.judge_key("test-model", "rev-0")  # another key of the partition, pinned to rev-0
     outputs = run(second, Record(OBSERVATIONS, 2, 1, other, record.value))
     assert round_keys(outputs, 2) == {key}  # rev-0 has learned nothing: it judges by a reference not made
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_an_incident_whose_judge_moved_away_goes_quiet_here_without_a_closed_record(make_pipeline, moved):
+    """A judge key's partition went to another instance with its open incident (in the
+    round the new judge restores): here the incident closes once quiet without writing
+    "closed", which would contradict the new judge while the fault goes on; its gauge
+    stays up until then (the alert takes the max over instances: no dip while the new
+    judge takes over). Kept, it closes with its record as ever."""
+    clock = Clock()
+    pipe, registry = make_pipeline(clock, incident_quiet=600.0)
+    pipe.judges.restored(2, [("test-model", "rev-1")], committed=0)  # this instance judges rev-1 on partition 2
+    identity = TraceIdentity("t-1", "req-1", "test-model", "rev-1", "c", 0, 32, 1.0, (OBSERVATIONS, 2, 0))
+    collapsed = Anomaly("low_diversity", 0, ("head-1", "head-2"), 0.1, 0.6, 9.0, 20.0, "rev-1", True)
+    opened = pipe.findings.judged(identity, Verdict([collapsed], "rev-1", False, 30, True), Outcome("failure"),
+                                  identity.source)
+    assert [json.loads(o.value)["change"] for o in opened if b"attention-incident" in o.value] == ["opened"]
+    open_gauge = {**LAYER, "family": "diversity"}
+    pipe.reassign({}, {(OBSERVATIONS, 2)} if moved else set(), set())
+    clock.now = 599.0
+    assert not [o for o in run(pipe) if b"attention-incident" in o.value]
+    assert registry.get_sample_value("attention_incident_open", open_gauge) == 1
+    clock.now = 600.0
+    closed = [json.loads(o.value)["change"] for o in run(pipe) if b"attention-incident" in o.value]
+    assert closed == ([] if moved else ["closed"])
+    assert registry.get_sample_value("attention_incident_open", open_gauge) == 0
