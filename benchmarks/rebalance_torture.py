@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -143,14 +142,6 @@ class Sender:
         self.producer.close(timeout=10)
 
 
-def ready(monitor: Monitor) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{monitor.port}/readyz", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
 def name(monitor: Monitor) -> str:
     return monitor.process.name
 
@@ -209,7 +200,7 @@ class Fleet:
             described = self.described()
             return (described["group_state"] == "Stable"
                     and sorted(m["client_id"] for m in described["members"]) == sorted(map(name, self.live))
-                    and all(ready(m) for m in self.live))
+                    and all(m.ready() for m in self.live))
 
         self.wait(stable, timeout, f"the group stable with its {len(self.live)} live instances, all ready")
 
@@ -540,6 +531,7 @@ def main() -> None:
         doc = asdict(figures)
         for side in ("undisturbed", "disturbed"):
             doc[side]["findings"] = len(doc[side]["findings"])
+            doc[side]["written_at"] = [[*f, at] for f, at in doc[side]["written_at"].items()]
             doc[side]["incidents"] = sorted(doc[side]["incidents"])
         doc["lost"] = [list(f) for f in figures.lost]
         doc["doubled"] = [[*f, n] for f, n in figures.doubled.items()]

@@ -66,22 +66,27 @@ class Changes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.revoked: set[TP] = set()
-        self.assigned: set[TP] = set()
+        #: the latest assignment heard and not revoked since (eager: each is the whole set)
+        self.assigned: set[TP] | None = None
         self.assignments = 0  #: assignments received so far (an empty one counts too)
 
     def heard_revoked(self, revoked: Iterable[TP]) -> None:
         with self._lock:
             self.revoked |= set(revoked)
+            self.assigned = None  # revoked before the service acted on it: wait for the next one
 
     def heard_assigned(self, assigned: Iterable[TP]) -> None:
         with self._lock:
-            self.assigned |= set(assigned)
+            self.assigned = set(assigned)
             self.assignments += 1
 
-    def take(self) -> tuple[set[TP], set[TP]]:
+    def take(self) -> tuple[set[TP], set[TP] | None]:
+        """The partitions revoked since the last take, and the assignment heard since:
+        None when none was, an empty set when this member was given no partition (more
+        members than partitions: it stands by, ready)."""
         with self._lock:
             revoked, assigned = self.revoked, self.assigned
-            self.revoked, self.assigned = set(), set()
+            self.revoked, self.assigned = set(), None
         return revoked, assigned
 
 

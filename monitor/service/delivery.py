@@ -78,9 +78,10 @@ class Delivery:
         if self.held:
             count, held, self.held = len(self.held), Batch.merged(self.held), []
             kept = held.without(lost, self.pipeline.topics)
-            log.info("the group rebalanced with %d batches finished meanwhile: %d of their %d outputs written, the "
-                     "rest left to the new owners of %d partitions", count, len(kept.outputs), len(held.outputs),
-                     len(lost))
+            if held.outputs:
+                log.info("the group rebalanced with %d batches finished meanwhile: %d of their %d outputs written, "
+                         "the rest left to the new owners of %d partitions", count, len(kept.outputs),
+                         len(held.outputs), len(lost))
             self.complete(kept)
 
     def _landed(self, offsets: dict[TP, int]) -> bool:

@@ -106,12 +106,12 @@ class Loop:
             measuring.check()  # a dead measuring process stops the service even when no traffic comes
             measuring.sync_contracts(service.contracts)
             measuring.sync_decisions(service.references)
-            if revoked or assigned:
+            if revoked or assigned is not None:
                 service.metrics.rebalances.inc()
                 _complete(self.delivery, [*finished, *running])
                 finished.clear()
                 running.clear()
-                if assigned:
+                if assigned is not None:  # possibly empty: this instance stands by
                     records = self._reassign(assigned, records)
                     service.health.assigned()
             running.append(self.pipeline.process(records))
@@ -170,7 +170,7 @@ class Loop:
         while time.monotonic() < deadline and not done() and not (quiet >= 2 and done(slack=1)):
             records = retry(lambda: self.consumer.poll(self.settings.poll_timeout_ms), "poll")
             revoked, assigned = self.consumer.changes.take()
-            if revoked or assigned:
+            if revoked or assigned is not None:
                 log.info("stopping: a rebalance ended judging the last observations (their new owner judges them)")
                 return
             judged = [r for r in records if r.topic == self.topics.observations]

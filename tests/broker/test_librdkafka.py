@@ -19,7 +19,7 @@ from kafka.structs import MemberState
 from monitor.broker import librdkafka
 from monitor.broker.connection import Connection
 from monitor.broker.errors import from_librdkafka
-from monitor.broker.group import GroupMember
+from monitor.broker.group import Changes, GroupMember
 from monitor.broker.librdkafka import QuietRepeats, group_metadata
 from monitor.broker.outputs import GroupMovedOn, OutputProducer
 from monitor.errors import InfrastructureError
@@ -206,3 +206,17 @@ def test_a_fencing_after_a_broker_outage_starts_a_new_client_again_and_one_witho
         assert not raised.value.retriable
     finally:
         closed.close()
+
+
+def test_changes_tell_an_empty_assignment_from_none_and_forget_one_revoked_before_it_was_taken():
+    changes = Changes()
+    assert changes.take() == (set(), None)  # nothing heard
+    changes.heard_revoked({("t", 0)})
+    changes.heard_assigned([])  # more members than partitions: this one stands by
+    assert changes.take() == ({("t", 0)}, set())
+    changes.heard_assigned([("t", 0)])
+    changes.heard_revoked({("t", 0)})  # revoked before the service saw it: the next one counts
+    assert changes.take() == ({("t", 0)}, None)
+    changes.heard_assigned([("t", 1)])
+    changes.heard_assigned([("t", 2)])  # eager: each assignment is the whole set
+    assert changes.take() == (set(), {("t", 2)})

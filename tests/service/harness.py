@@ -90,6 +90,14 @@ class Monitor:
         self.port = int(env["ATTENTION_MONITOR_METRICS_PORT"])
         self.process = ManagedProcess(name, [sys.executable, "-m", "monitor", "run"], log, cwd=REPO, env=env)
 
+    def ready(self) -> bool:
+        """Whether ``/readyz`` says 200 now."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
     def wait_ready(self, timeout: float = 60) -> None:
         def ready() -> bool:
             self.process.check_alive()

@@ -145,3 +145,38 @@ def test_two_instances_share_partitions_through_a_rebalance_without_double_count
         if b is not None:
             b.process.stop()
         a.process.stop()
+
+
+def test_an_instance_given_no_partition_stands_by_ready_and_takes_the_work_when_the_other_leaves(
+        kafka_broker, setup, tmp_path):
+    """More instances than partitions: the one given none is ready (it was 503, "no
+    partition assignment yet", for as long as it stood by), and when the other leaves it
+    takes the partitions over and processes what follows."""
+    bootstrap = kafka_broker.bootstrap
+    topics, env = setup(partitions=1)
+    a = Monitor({**env, "ATTENTION_MONITOR_CLIENT_ID": "a"}, tmp_path / "a.log", "a")
+    b = None
+    try:
+        a.wait_ready()
+        b = Monitor({**env, "ATTENTION_MONITOR_CLIENT_ID": "b", "ATTENTION_MONITOR_METRICS_PORT": str(free_port())},
+                    tmp_path / "b.log", "b")
+        b.wait_ready(timeout=90)
+        wait_for(lambda: a.value("attention_monitor_rebalances_total") >= 2 and a.ready(), timeout=60,
+                 what="the first instance ready again after the rebalance b's arrival made")
+        traced = "attention_traces_total{layer=0,model=test-model,revision=rev-1}"
+        first = healthy(20, 0)
+        send_traces(bootstrap, topics.traces, first)
+        send_outcomes(bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in first})
+        wait_for(lambda: a.value(traced) + b.value(traced) >= 20, timeout=60, what="the first 20 traces processed")
+        working, standing_by = (a, b) if a.value(traced) else (b, a)
+        assert standing_by.value(traced) == 0 and standing_by.ready()
+        working.process.stop()
+        more = healthy(20, 0, start=100)
+        send_traces(bootstrap, topics.traces, more)
+        send_outcomes(bootstrap, topics.outcomes, {h.request_id: "success" for h, _ in more})
+        wait_for(lambda: standing_by.value(traced) >= 20, timeout=90,
+                 what="the instance that stood by processing the traces sent after the other left")
+    finally:
+        if b is not None:
+            b.process.stop()
+        a.process.stop()
