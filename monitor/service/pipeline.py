@@ -261,11 +261,13 @@ class Pipeline:
 
     def reassign(self, positions: dict[TP, int], lost: set[TP], emitted: set[Source]) -> None:
         """After a rebalance, with no batch in flight: ``positions`` are where the
-        assigned partitions resume; waiting state of the trace partitions ``lost`` to
-        other instances is dropped, and those traces leave the measurer's
+        assigned partitions resume; of the partitions ``lost`` to other instances, the
+        trace partitions' waiting state is dropped and their traces leave the measurer's
         de-duplication window (should the partitions come back, they are re-read from
-        the last commit and must be processed again); ``emitted`` are sources whose
-        outputs are already written (found by reading the output topics back)."""
+        the last commit and must be processed again), and the observations partitions'
+        judge keys hand their open incidents over (:meth:`Findings.hand_over`);
+        ``emitted`` are sources whose outputs are already written (found by reading the
+        output topics back)."""
         self._progress = dict(positions)
         gone = self.judges.reassign(positions, {p for t, p in lost if t == self.topics.observations})
         self.findings.hand_over(gone, self.judges.judged_by)
