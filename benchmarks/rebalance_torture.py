@@ -219,12 +219,19 @@ class Fleet:
             monitor.process.check_alive()
 
     def wait(self, probe: Callable[[], Any], timeout: float, what: str) -> Any:
-        """:func:`wait_for`, saying on failure what each live instance logged last."""
+        """:func:`wait_for`, saying on failure how the broker sees the group, whether
+        each live instance is ready and why not, and what each logged last."""
         try:
             return wait_for(probe, timeout=timeout, what=what, interval=0.1)
         except AssertionError as exc:
-            tails = "\n".join(f"--- {name(m)}:\n{m.process.log_tail(15)}" for m in self.live)
-            raise AssertionError(f"{exc}\n{tails}") from exc
+            try:
+                described = self.described()
+                group = (f"the group {described['group_state']}, members "
+                         f"{sorted(m['client_id'] for m in described['members'])}")
+            except Exception as why:  # the report of a failure must not fail
+                group = f"the group not described: {why!r}"
+            tails = "\n".join(f"--- {name(m)} ({m.readiness()}):\n{m.process.log_tail(15)}" for m in self.live)
+            raise AssertionError(f"{exc}\n{group}\n{tails}") from exc
 
     def rebalance_count(self) -> float:
         return sum(self.rebalances.values()) + sum(m.value("attention_monitor_rebalances_total") for m in self.live)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -97,6 +98,16 @@ class Monitor:
                 return bool(resp.status == 200)
         except OSError:
             return False
+
+    def readiness(self) -> str:
+        """What ``/readyz`` says now: its status and body."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
+                return f"{resp.status} {resp.read().decode(errors='replace').strip()}"
+        except urllib.error.HTTPError as exc:
+            return f"{exc.code} {exc.read().decode(errors='replace').strip()}"
+        except OSError as exc:
+            return f"not answering: {exc}"
 
     def wait_ready(self, timeout: float = 60) -> None:
         def ready() -> bool:
