@@ -96,7 +96,6 @@ class GroupMember:
                  session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000):
         self.topics = list(topics)
         self.changes = Changes()
-        self._stash: list[Record] = []  #: records fetched while rejoining, handed out by the next poll
         self._max_records = max_records
         self._renewed_at = -RENEW_WINDOW_S
         #: the brokers were unreachable since the last new client: a fencing then follows an outage
@@ -163,26 +162,10 @@ class GroupMember:
                                "rejoining its group)")
         return metadata
 
-    def rejoin(self, timeout_s: float) -> set[TP] | None:
-        """After the group moved on (a commit refused for a stale generation): drive the
-        group protocol until this member has its new assignment, and return it (None on
-        timeout). Records fetched meanwhile wait for the next :meth:`poll`; the
-        assignment change stays in :attr:`changes` for the service to act on."""
-        seen = self.changes.assignments
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._stash += self._fetch(200)
-            if self.changes.assignments > seen:
-                return self.assignment()
-        return None
-
     # --- records and offsets -----------------------------------------------------------
 
     def poll(self, timeout_ms: int) -> list[Record]:
         """The next records, in (topic, partition, offset) order."""
-        if self._stash:
-            records, self._stash = self._stash, []
-            return records
         return self._fetch(timeout_ms)
 
     def seek(self, positions: dict[TP, int]) -> None:

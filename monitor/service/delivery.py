@@ -6,9 +6,12 @@ output. When the batch taught a reference something, the reference state is save
 first: a crash can never commit the traces that taught a reference it then forgets. A
 transaction that fails is aborted and tried again, with the same outputs and offsets,
 until it succeeds or the service is asked to stop; meanwhile ``/readyz`` says 503. When
-the group moved on (this instance's partitions went elsewhere during an outage), the
-batch is not committed and the service ends with exit code 3: it restarts from the
-committed offsets and reads back what was written, so nothing is lost or doubled.
+the group moved on (a rebalance under way, or a commit refused for a generation the
+group left during an outage), batches are held until the new assignment and then
+committed less what the new owners of the partitions that moved do again; no new
+assignment within a minute of a refusal, and the service ends with exit code 3: it
+restarts from the committed offsets and reads back what was written, so nothing is
+lost or doubled.
 """
 
 from __future__ import annotations
@@ -45,44 +48,68 @@ class Delivery:
         self.rejoin_timeout_s = 60.0
         #: batches completed while a rebalance was under way, written when it completes
         self.held: list[Batch] = []
+        self._refused_at: float | None = None  #: when the group last refused a commit, until it reassigns
 
     def complete(self, batch: Batch) -> None:
         """Commit a batch's outputs with the offsets it allows for partitions still owned.
 
-        While a rebalance is under way (partitions revoked, the new assignment not
-        known yet), the batch is held instead, for :meth:`reassigned`: its outputs are
-        only ever written in the transaction that commits its offsets, or not at all. A
-        partition's new owner resumes from the group's commit, and outputs written
-        without their offsets would be written by both (anomaly records twice)."""
+        A batch's outputs are only ever written in the transaction that commits its
+        offsets, or not at all: a partition's new owner resumes from the group's commit,
+        and outputs written without their offsets would be written by both (anomaly
+        records twice). So while a rebalance is under way (partitions revoked, the new
+        assignment not known yet), or after the group refused a commit for a generation
+        it left, batches are held for :meth:`reassigned`; held for longer than
+        ``rejoin_timeout_s`` after a refusal, the service stops (exit code 3) and
+        restarts from the committed offsets."""
         self.assignment.reached(batch.positions)  # kept partitions resume after it
-        if self.assignment.parked:
-            self.held.append(batch)
-            return
+        self.held.append(batch)
+        if self._refused_at is not None and time.monotonic() - self._refused_at > self.rejoin_timeout_s:
+            raise InfrastructureError(f"the group refused a commit and gave this instance no new assignment within "
+                                      f"{self.rejoin_timeout_s:.0f} s; restarting from the committed offsets",
+                                      retriable=False)
+        if not self.assignment.parked and self._refused_at is None:
+            self._deliver(set())
+
+    def reassigned(self, lost: set[TP]) -> None:
+        """The rebalance completed with ``lost`` gone elsewhere: the batches held since
+        it began (or since the group refused a commit) are committed with their kept
+        partitions' offsets, without what the new owners of ``lost`` do again
+        (:meth:`Batch.without`); dropped when the service stops first (read again from
+        the commit)."""
+        self._refused_at = None
+        if self.held:
+            outputs = sum(len(b.outputs) for b in self.held)
+            kept = self._deliver(lost)
+            if outputs:
+                log.info("the group rebalanced with %d outputs of finished batches held: %d written, the rest left to "
+                         "the new owners of %d partitions", outputs, kept, len(lost))
+
+    def _deliver(self, lost: set[TP]) -> int:
+        """Commit what is held, less what the new owners of ``lost`` do again; the
+        outputs written. A commit the group refuses (it moved on to a generation this
+        member has not joined yet) keeps the batch held."""
+        batch = Batch.merged(self.held)
+        if lost:
+            batch = batch.without(lost, self.pipeline.topics)
+        self.held = []
         committing = self.assignment.committing
         offsets = {tp: o for tp, o in batch.committable.items()
                    if tp in committing and self.committed.get(tp) != o}
         if not batch.outputs and not offsets:
-            return  # an idle batch commits nothing
+            return 0  # an idle batch commits nothing
         if batch.taught:
             self.save_state()
-        self._commit(batch, offsets)
+        try:
+            self._commit(batch, offsets)
+        except GroupMovedOn as exc:
+            self.held, self._refused_at = [batch], time.monotonic()
+            self.health.commit_failed(str(exc))
+            log.warning("%s: the batch is held until the group gives this instance its new assignment", exc)
+            return 0
         self.committed.update(offsets)
         self.pipeline.committed(offsets)
         self.metrics.commits.inc()
-
-    def reassigned(self, lost: set[TP]) -> None:
-        """The rebalance completed with ``lost`` gone elsewhere: the batches held since
-        it began are committed with their kept partitions' offsets, without what the new
-        owners of ``lost`` do again (:meth:`Batch.without`); dropped when the service
-        stops first (read again from the commit)."""
-        if self.held:
-            count, held, self.held = len(self.held), Batch.merged(self.held), []
-            kept = held.without(lost, self.pipeline.topics)
-            if held.outputs:
-                log.info("the group rebalanced with %d batches finished meanwhile: %d of their %d outputs written, "
-                         "the rest left to the new owners of %d partitions", count, len(kept.outputs),
-                         len(held.outputs), len(lost))
-            self.complete(kept)
+        return len(batch.outputs)
 
     def _landed(self, offsets: dict[TP, int]) -> bool:
         """Whether the group's committed offsets are ``offsets``: asked once a new
@@ -117,17 +144,8 @@ class Delivery:
                     return
                 log.warning("%s; the batch was not committed (its offsets are not the group's): sending it again", exc)
                 backoff.wait()
-            except GroupMovedOn as exc:
-                # An outage or a slow batch let the group rebalance. When this member gets its
-                # partitions back (static membership: the usual case), the aborted batch is
-                # committed again under the new generation; otherwise its records are another
-                # member's now, and this process restarts from the committed offsets.
-                assigned = self.consumer.rejoin(self.rejoin_timeout_s)
-                if assigned is None or not set(offsets) <= assigned:
-                    raise InfrastructureError(f"{exc} and its partitions went elsewhere; restarting from the "
-                                              "committed offsets", retriable=False) from exc
-                log.info("the group rebalanced and gave this instance its partitions back: committing the batch "
-                         "again")
+            except GroupMovedOn:
+                raise  # nothing was committed: the batch waits for the group's new assignment
             except InfrastructureError as exc:
                 if not exc.retriable:
                     raise
