@@ -25,9 +25,10 @@ from monitor.broker.group import GroupMember
 from monitor.broker.outputs import GroupMovedOn, InDoubt, OutputProducer
 from monitor.errors import InfrastructureError
 from monitor.service.assignment import Assignment
+from monitor.service.batch import Batch
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
-from monitor.service.pipeline import Batch, Pipeline
+from monitor.service.pipeline import Pipeline
 from monitor.service.retry import Backoff
 
 log = logging.getLogger(__name__)

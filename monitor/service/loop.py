@@ -34,12 +34,13 @@ from monitor.protocol.model_contract import ContractTable
 from monitor.protocol.records import Record, Source
 from monitor.protocol.topics import Topics
 from monitor.service.assignment import Assignment
+from monitor.service.batch import Batch
 from monitor.service.delivery import Delivery
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.fleet import take_over
 from monitor.service.health import Health
 from monitor.service.pins import PinCheck
-from monitor.service.pipeline import Batch, Pipeline
+from monitor.service.pipeline import Pipeline
 from monitor.service.retry import Backoff, retry
 from monitor.service.state_file import StateSaver
 from monitor.settings import Settings

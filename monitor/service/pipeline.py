@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,50 +39,17 @@ from monitor.protocol.observations import LateOutcome, parse_key
 from monitor.protocol.records import Output, Record, Source
 from monitor.protocol.schema import TaskOutcome
 from monitor.protocol.topics import OUTCOME_WINDOW_S, Topics
+from monitor.service.batch import Batch
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.findings import Findings, Mode
 from monitor.service.fleet import Forwarding, Judged, Judges, Judging
 from monitor.service.join import Join, Waiting
 from monitor.service.late import Late
 
-__all__ = ["Batch", "Loopback", "Pipeline"]
+__all__ = ["Loopback", "Pipeline"]
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """What one batch of records leaves to do."""
-
-    outputs: list[Output]
-    positions: dict[TP, int]  #: next offset to read of every partition, after this batch
-    committable: dict[TP, int]  #: safe to commit with the outputs
-    taught: bool = False  #: a trace of the batch taught a reference (save the state before committing)
-
-    @staticmethod
-    def merged(batches: list[Batch]) -> Batch:
-        """Consecutive batches as one (each carries the offsets of every batch before it,
-        so the last one's positions and committable offsets are theirs)."""
-        if len(batches) == 1:
-            return batches[0]
-        return Batch([o for b in batches for o in b.outputs], batches[-1].positions, batches[-1].committable,
-                     any(b.taught for b in batches))
-
-    def without(self, lost: set[TP], topics: Topics) -> Batch:
-        """This batch as its instance may still write it once a rebalance moved the
-        partitions ``lost`` elsewhere: what their new owner does again from the group's
-        commit is left out (a judge's outputs, dead letters and the pending outcomes'
-        changes of those partitions: written here too, they would be written twice). The
-        observation records it forwards stay: one may carry traces of partitions kept as
-        well, and a judge forwarded a trace twice judges it once."""
-        def redone(out: Output) -> bool:
-            topic, partition, _ = out.source
-            if topic == topics.pending:
-                topic = topics.traces  # a trace partition's requests awaiting their outcome
-            return out.topic != topics.observations and (topic, partition) in lost
-
-        return Batch([o for o in self.outputs if not redone(o)], self.positions, self.committable, self.taught)
 
 
 class Pipeline:

@@ -24,10 +24,10 @@ from monitor.errors import InfrastructureError
 from monitor.protocol.records import Output
 from monitor.protocol.topics import Topics
 from monitor.service.assignment import Assignment
+from monitor.service.batch import Batch
 from monitor.service.delivery import Delivery
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
-from monitor.service.pipeline import Batch
 
 TOPICS = Topics()
 TRACES_0, TRACES_1 = (TOPICS.traces, 0), (TOPICS.traces, 1)
