@@ -137,6 +137,10 @@ class Loop:
         self.pipeline.late.due()  # the requests awaiting a late outcome written with the last offsets
         running.append(self.pipeline.process([]))
         _complete(self.delivery, [*finished, *running])
+        if self.delivery.held:  # a rebalance under way, or a refused commit: nothing of it is written
+            log.warning("stopping with %d outputs of finished batches uncommitted (the group was rebalancing): their "
+                        "partitions' next owner does them again from the committed offsets",
+                        sum(len(b.outputs) for b in self.delivery.held))
         self._drain()
         log.info("stop requested: last batch committed")
 
