@@ -9,6 +9,7 @@ import json
 import pytest
 from kafka import KafkaProducer
 
+from devstack.wait import wait_for
 from monitor.broker.admin import CREATED, EXISTS, create_topics
 from monitor.broker.connection import Connection
 from monitor.broker.offsets import Offsets
@@ -94,4 +95,8 @@ def test_topics_are_created_once_and_then_exist(kafka_broker, unique_name):
     connection = Connection(kafka_broker.bootstrap)
     assert create_topics(connection, [spec], replication_factor=1) == {name: CREATED}
     assert create_topics(connection, [spec], replication_factor=1) == {name: EXISTS}
-    assert Offsets(connection).end([(name, p) for p in range(3)], 10) == {(name, p): 0 for p in range(3)}
+    # a topic just created may have no leader known yet (NOT_LEADER_FOR_PARTITION, retriable: the
+    # service retries it): asked again until the broker answers, within a deadline
+    ends = wait_for(lambda: Offsets(connection).end([(name, p) for p in range(3)], 10), timeout=60,
+                    what="the new topic's end offsets")
+    assert ends == {(name, p): 0 for p in range(3)}
