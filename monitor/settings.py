@@ -56,6 +56,10 @@ class Settings(BaseSettings):
                                     "restart within the session timeout keeps its partitions, no rebalance")
     session_timeout_ms: int = Field(15_000, ge=6_000, description="a member silent this long loses its partitions")
     heartbeat_interval_ms: int = Field(3_000, gt=0)
+    rebalance_timeout_ms: int = Field(60_000, ge=6_000, description="how long the broker waits for every member to "
+                                      "rejoin in a rebalance, and a joining member for its answer, plus 3 s "
+                                      "(librdkafka's max.poll.interval.ms): a join lost to a broker restart is sent "
+                                      "again after it; at least SESSION_TIMEOUT_MS")
     delivery_timeout_ms: int = Field(120_000, gt=0, description="how long one output transaction may try to "
                                      "deliver before it is aborted and sent again")
     ssl_cafile: Path | None = Field(None, description="CA bundle that signs the brokers' certificates (SSL, "
@@ -165,6 +169,9 @@ class Settings(BaseSettings):
                 self.sasl_username and (self.sasl_password or self.sasl_password_file)):
             raise ValueError("SASL needs ATTENTION_MONITOR_SASL_USERNAME and ATTENTION_MONITOR_SASL_PASSWORD (or "
                              "ATTENTION_MONITOR_SASL_PASSWORD_FILE)")
+        if self.rebalance_timeout_ms < self.session_timeout_ms:
+            raise ValueError(f"ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS ({self.rebalance_timeout_ms}) must be at least "
+                             f"ATTENTION_MONITOR_SESSION_TIMEOUT_MS ({self.session_timeout_ms})")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ATTENTION_MONITOR_SSL_CERTFILE and ATTENTION_MONITOR_SSL_KEYFILE go together")
         if self.triage_url is not None:

@@ -14,7 +14,13 @@ Two librdkafka settings matter here. ``fetch.queue.backoff.ms``: while its local
 is full librdkafka waits this long before fetching again (1 s by default); the service
 drains the queue in bursts, as the measuring processes free room, so it is kept short.
 ``queued.max.messages.kbytes`` bounds that queue to four fetches' worth, which keeps
-memory flat.
+memory flat. And ``max.poll.interval.ms`` (REBALANCE_TIMEOUT_MS) is also how long
+librdkafka waits for the answer to its JoinGroup, plus 3 s: a join sent as a broker
+restarts can go unanswered, and at the default (300 s) the member then stayed out of its
+group for five minutes while the others went on. The service polls every
+POLL_TIMEOUT_MS, less often only while it takes partitions over (seconds; 20 s measured
+through a broker restart); a member that does not poll within it leaves the group and
+joins again at its next poll.
 
 A librdkafka consumer that meets a fatal error never fetches again. One met here: a
 static member whose session timed out in a broker outage rejoins under a new member id,
@@ -93,7 +99,8 @@ class Changes:
 class GroupMember:
     def __init__(self, connection: Connection, group_id: str, topics: Sequence[str], *, max_records: int,
                  max_partition_fetch_bytes: int, group_instance_id: str | None = None,
-                 session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000):
+                 session_timeout_ms: int = 15_000, heartbeat_interval_ms: int = 3_000,
+                 rebalance_timeout_ms: int = 60_000):
         self.topics = list(topics)
         self.changes = Changes()
         self._max_records = max_records
@@ -104,6 +111,7 @@ class GroupMember:
         self._config = connection.librdkafka() | {
             "group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": heartbeat_interval_ms,
+            "max.poll.interval.ms": rebalance_timeout_ms,
             "partition.assignment.strategy": "range",
             "max.partition.fetch.bytes": max_partition_fetch_bytes, "fetch.max.bytes": 4 * max_partition_fetch_bytes,
             "queued.max.messages.kbytes": max(1, 4 * max_partition_fetch_bytes // 1024),

@@ -37,7 +37,7 @@ from monitor.protocol.access import contract_verifier
 from monitor.protocol.decisions import ReferenceTable
 from monitor.protocol.model_contract import ContractTable
 from monitor.service.assignment import Assignment
-from monitor.service.delivery import Delivery
+from monitor.service.delivery import Delivery, rejoin_timeout_s
 from monitor.service.exporter import MonitorMetrics
 from monitor.service.health import Health
 from monitor.service.http import MetricsServer
@@ -150,7 +150,7 @@ class Service:
             log.info("committing finished batches together at most every %d ms (COMMIT_INTERVAL_MS)",
                      s.commit_interval_ms)
             delivery = Delivery(producer, consumer, pipeline, self.assignment, self.metrics, self.health,
-                                self.stopping, saver.now)
+                                self.stopping, saver.now, rejoin_timeout_s=rejoin_timeout_s(s.rebalance_timeout_ms))
             Loop(self, consumer, readers, delivery, measuring, pipeline, saver).run()
             return ExitCode.OK
         except InfrastructureError as exc:
@@ -192,7 +192,8 @@ class Service:
                                    group_instance_id=f"{s.client_id}-{socket.gethostname()}"
                                    if s.static_membership else None,
                                    session_timeout_ms=s.session_timeout_ms,
-                                   heartbeat_interval_ms=s.heartbeat_interval_ms)
+                                   heartbeat_interval_ms=s.heartbeat_interval_ms,
+                                   rebalance_timeout_ms=s.rebalance_timeout_ms)
         except InfrastructureError:
             producer.close()
             raise

@@ -37,16 +37,24 @@ TP = tuple[str, int]
 STOP_GRACE_S = 30.0
 
 
+def rejoin_timeout_s(rebalance_timeout_ms: int) -> float:
+    """How long after a refused commit an instance waits for its new assignment: a
+    rebalance (the broker waits up to REBALANCE_TIMEOUT_MS for every member), and when
+    the join was lost (a broker restarting as it came), librdkafka's wait for its answer
+    (the same plus 3 s) and a second rebalance."""
+    return 2 * rebalance_timeout_ms / 1000 + 10.0
+
+
 class Delivery:
     def __init__(self, producer: OutputProducer, consumer: GroupMember, pipeline: Pipeline,
                  assignment: Assignment, metrics: MonitorMetrics, health: Health, stopping: threading.Event,
-                 save_state: Callable[[], None]):
+                 save_state: Callable[[], None], *, rejoin_timeout_s: float = 60.0):
         self.producer, self.consumer, self.pipeline = producer, consumer, pipeline
         self.assignment, self.metrics, self.health = assignment, metrics, health
         self.stopping = stopping
         self.save_state = save_state
         self.committed: dict[TP, int] = {}
-        self.rejoin_timeout_s = 60.0
+        self.rejoin_timeout_s = rejoin_timeout_s
         #: batches completed while a rebalance was under way, written when it completes
         self.held: list[Batch] = []
         self._refused_at: float | None = None  #: when the group last refused a commit, until it reassigns

@@ -87,10 +87,10 @@ def test_repeats_of_a_message_but_for_its_numbers_are_held_back_then_counted(mon
     assert passed[-1].startswith("Connect to 127.0.0.1:9100 failed: Connection refused (after 7ms) (99 like it in")
 
 
-def member(bootstrap, group, topic, instance=None):
+def member(bootstrap, group, topic, instance=None, **settings):
     return GroupMember(Connection(bootstrap), group, [topic], max_records=10,
-                           max_partition_fetch_bytes=1 << 20, session_timeout_ms=6_000, heartbeat_interval_ms=500,
-                           group_instance_id=instance)
+                       max_partition_fetch_bytes=1 << 20, session_timeout_ms=6_000, heartbeat_interval_ms=500,
+                       group_instance_id=instance, **settings)
 
 
 def poll_until(consumer, condition, what, timeout=60):
@@ -184,6 +184,28 @@ def test_a_static_member_fenced_once_starts_a_new_client_and_stops_when_fenced_a
     finally:
         for consumer in (a, *others):
             consumer.close()
+
+
+@pytest.mark.kafka
+def test_the_rebalance_timeout_reaches_librdkafka(kafka_broker, make_topic, unique_name):
+    """REBALANCE_TIMEOUT_MS is librdkafka's max.poll.interval.ms: how long the broker
+    waits for a member to rejoin, and librdkafka for its JoinGroup's answer (a join lost
+    to a broker restart kept a member out for five minutes at the default). A member
+    that stops polling holds up a rebalance for that long: here 6 s, where the default
+    would hold the newcomer back for 300 s."""
+    bootstrap = kafka_broker.bootstrap
+    topic, group = make_topic("traces", partitions=2), unique_name("group")
+    both = {(topic, 0), (topic, 1)}
+    silent, newcomer = member(bootstrap, group, topic, rebalance_timeout_ms=6_000), member(bootstrap, group, topic)
+    try:
+        silent.subscribe()
+        poll_until(silent, lambda: silent.assignment() == both, "the first member never got its partitions")
+        newcomer.subscribe()  # a rebalance; the first member no longer polls to rejoin it
+        poll_until(newcomer, lambda: newcomer.assignment() == both, "the newcomer waited for the silent member",
+                   timeout=45)
+    finally:
+        newcomer.close()
+        silent.close()
 
 
 def test_a_fencing_after_a_broker_outage_starts_a_new_client_again_and_one_without_stops():

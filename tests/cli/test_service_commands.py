@@ -113,3 +113,18 @@ def test_triage_url_is_exported_for_alerts_and_checked(monkeypatch):
     result = runner.invoke(app, ["check-config"])
     assert result.exit_code == 1, result.output
     assert "ATTENTION_MONITOR_TRIAGE_URL must be an http(s) address" in result.output
+
+
+def test_a_rebalance_timeout_shorter_than_the_session_is_refused(monkeypatch):
+    """librdkafka refuses max.poll.interval.ms below session.timeout.ms at the consumer's
+    start; check-config says so first, naming both settings."""
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
+    monkeypatch.setenv("ATTENTION_MONITOR_SESSION_TIMEOUT_MS", "20000")
+    monkeypatch.setenv("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS", "10000")
+    result = runner.invoke(app, ["check-config"])
+    assert result.exit_code == 1, result.output
+    assert ("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS (10000) must be at least ATTENTION_MONITOR_SESSION_TIMEOUT_MS "
+            "(20000)") in result.output
+    monkeypatch.setenv("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS", "20000")
+    assert runner.invoke(app, ["check-config"]).exit_code == 0
