@@ -52,12 +52,14 @@ from kafka.errors import (
 
 from monitor.broker.connection import Connection
 from monitor.broker.errors import from_kafka_python
+from monitor.broker.tail import is_committed
 from monitor.errors import InfrastructureError
 from monitor.protocol.records import Output
 from monitor.protocol.topics import TRACE_RECORD_BYTES
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
+Location = tuple[str, int, int]  #: topic, partition, offset of a record written
 #: errors that say the group moved on: these partitions are someone else's now
 REASSIGNED = (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError)
 
@@ -72,10 +74,13 @@ class GroupMovedOn(InfrastructureError):
 
 class InDoubt(InfrastructureError):
     """A transaction given up on after its commit was asked for: it may have committed.
-    The group's committed offsets tell (:meth:`monitor.service.delivery.Delivery`)."""
+    The group's committed offsets tell, or for a transaction without offsets (outputs of
+    timers only: an incident closing, a request's outcome window closing) whether its
+    first record, at ``written``, is committed (:meth:`monitor.service.delivery.Delivery`)."""
 
-    def __init__(self, detail: str):
+    def __init__(self, detail: str, written: Location | None = None):
         super().__init__(detail, retriable=True)
+        self.written = written
 
 
 @dataclass
@@ -85,6 +90,7 @@ class _Attempt:
 
     producer: Any
     committing: bool = False
+    written: Location | None = None  #: where its first record was written (acknowledged, in the open transaction)
 
 
 class OutputProducer:
@@ -94,6 +100,7 @@ class OutputProducer:
         ``stalled`` (not finished after the delivery timeout: given up on, see
         :meth:`commit`), ``group_moved`` or ``fenced``."""
         self._on_failure = on_failure
+        self._connection = connection
         self._patience_s = delivery_timeout_ms / 1000
         # retry_backoff_ms: right after a commit the coordinator answers the next
         # transaction's first request with CONCURRENT_TRANSACTIONS until its markers
@@ -161,7 +168,7 @@ class OutputProducer:
             self._give_up(producer)
             if attempt.committing:
                 raise InDoubt(f"the output transaction's commit did not finish within the delivery timeout "
-                              f"({self._patience_s:.0f} s); its producer is replaced")
+                              f"({self._patience_s:.0f} s); its producer is replaced", attempt.written)
             raise InfrastructureError(f"the output transaction did not finish within the delivery timeout "
                                       f"({self._patience_s:.0f} s); its producer is replaced and it is sent again",
                                       retriable=True)
@@ -182,6 +189,12 @@ class OutputProducer:
         if self._producer is None:
             self._start("cannot start a new transactional output producer")
 
+    def landed(self, written: Location) -> bool:
+        """Whether the transaction that wrote a record at ``written`` committed (asked of
+        a transaction :class:`InDoubt` once :meth:`start` has ended it); raises while the
+        broker cannot tell."""
+        return is_committed(self._connection, *written)
+
     def _transact(self, outputs: list[Output], offsets: dict[TP, int], group: Any, attempt: _Attempt) -> None:
         producer = attempt.producer
         try:
@@ -195,7 +208,9 @@ class OutputProducer:
                     {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}, group)
             producer.flush()
             for future in futures:
-                future.get(timeout=0)  # raises the error of a record that was not written
+                written = future.get(timeout=0)  # raises the error of a record that was not written
+                if attempt.written is None and written is not None:
+                    attempt.written = (written.topic, written.partition, written.offset)
             attempt.committing = True
             producer.commit_transaction()
         except ProducerFencedError as exc:

@@ -127,6 +127,25 @@ def read_range(connection: Connection, topic: str, partition: int, start: int | 
             consumer.close()
 
 
+def is_committed(connection: Connection, topic: str, partition: int, offset: int, timeout_s: float = 60.0) -> bool:
+    """Whether the record written at ``offset`` belongs to a committed transaction (an
+    aborted one's records are invisible to ``read_committed``): asked once the
+    transaction has ended, and its partition's last stable offset is past the record
+    (another producer's transaction begun before it may hold that back); raises
+    :class:`InfrastructureError` (retriable) when it is not within ``timeout_s``."""
+    offsets = Offsets(connection)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while offsets.end([(topic, partition)], timeout_s, committed=True)[(topic, partition)] <= offset:
+            if time.monotonic() > deadline:
+                raise InfrastructureError(f"{topic}/{partition}: the transactions before offset {offset} did not end "
+                                          f"within {timeout_s:.0f} s", retriable=True)
+            time.sleep(0.2)
+    finally:
+        offsets.close()
+    return any(at == offset for at, _, _ in read_range(connection, topic, partition, offset, offset + 1, timeout_s))
+
+
 @dataclass(frozen=True)
 class Written:
     """What the committed outputs say about some partitions."""

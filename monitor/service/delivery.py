@@ -5,17 +5,20 @@ Offsets are committed only in the transaction that writes the batch's outputs
 output. When the batch taught a reference something, the reference state is saved
 first: a crash can never commit the traces that taught a reference it then forgets. A
 transaction that fails is aborted and tried again, with the same outputs and offsets,
-until it succeeds or the service is asked to stop; meanwhile ``/readyz`` says 503. When
+until it succeeds or the service is asked to stop; meanwhile ``/readyz`` says 503 (one
+given up on after its commit was asked for is sent again only if it did not commit:
+its offsets, or without offsets its first record, tell). When
 the group moved on (a rebalance under way, or a commit refused for a generation the
 group left during an outage), batches are held until the new assignment and then
 committed less what the new owners of the partitions that moved do again; no new
-assignment within a minute of a refusal, and the service ends with exit code 3: it
+assignment within :func:`rejoin_timeout_s` of a refusal, and the service ends with exit code 3: it
 restarts from the committed offsets and reads back what was written, so nothing is
 lost or doubled.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -120,14 +123,14 @@ class Delivery:
         self.metrics.commits.inc()
         return len(batch.outputs)
 
-    def _landed(self, offsets: dict[TP, int]) -> bool:
-        """Whether the group's committed offsets are ``offsets``: asked once a new
-        producer is up (its initialisation finishes the old one's transaction)."""
+    def _landed(self, landed: Callable[[], bool]) -> bool:
+        """``landed()``, asked once a new producer is up (its initialisation ends the
+        transaction given up on), retried while the broker cannot tell."""
         backoff = Backoff()
         while True:
             try:
                 self.producer.start()
-                return self.consumer.committed(offsets) == offsets
+                return landed()
             except InfrastructureError as exc:
                 if not exc.retriable or self.stopping.is_set():
                     raise
@@ -144,14 +147,25 @@ class Delivery:
                 return
             except InDoubt as exc:
                 # given up on after its commit was asked for: its offsets, committed in the
-                # same transaction, say whether it went through (a batch without offsets
-                # cannot tell, and is sent again)
+                # same transaction, say whether it went through; a batch without offsets
+                # (outputs of timers only) is told by its first record, committed or not
                 self.health.commit_failed(str(exc))
-                if offsets and self._landed(offsets):
-                    log.warning("%s, but the group's committed offsets are the batch's: it was committed", exc)
+                written = exc.written
+                if offsets:
+                    went_through = self._landed(lambda: self.consumer.committed(offsets) == offsets)
+                    evidence = "its offsets are the group's committed ones" if went_through else \
+                        "its offsets are not the group's"
+                elif written is not None:
+                    went_through = self._landed(functools.partial(self.producer.landed, written))
+                    evidence = (f"its first record, {written[0]}/{written[1]}@{written[2]}, is "
+                                f"{'committed' if went_through else 'not committed'}")
+                else:  # nothing was written: nothing to double
+                    went_through, evidence = False, "it wrote nothing"
+                if went_through:
+                    log.warning("%s, but it was committed (%s)", exc, evidence)
                     self.health.committed()
                     return
-                log.warning("%s; the batch was not committed (its offsets are not the group's): sending it again", exc)
+                log.warning("%s; the batch was not committed (%s): sending it again", exc, evidence)
                 backoff.wait()
             except GroupMovedOn:
                 raise  # nothing was committed: the batch waits for the group's new assignment

@@ -58,7 +58,8 @@ class StandIn:
 
     def send(self, topic, key=None, value=None, partition=None):
         self.sent.append((topic, key, value, partition))
-        return SimpleNamespace(get=lambda timeout=None: None)
+        written = SimpleNamespace(topic=topic, partition=0, offset=40 + len(self.sent))
+        return SimpleNamespace(get=lambda timeout=None: written)
 
     def send_offsets_to_transaction(self, offsets, group) -> None:
         self._maybe_hang("send_offsets_to_transaction")
@@ -140,4 +141,27 @@ def test_delivery_asks_the_group_whether_a_transaction_in_doubt_committed(stand_
     assert group.asked == 1
     assert len(stand_in.made) == 2  # a new producer either way, up before the group was asked
     assert stand_in.made[1].sent == ([] if went_through else SENT)
+    assert stand_in.made[1].committed is (not went_through)
+
+
+@pytest.mark.parametrize("went_through", [True, False])
+def test_a_transaction_in_doubt_without_offsets_is_told_by_its_first_record(stand_in, monkeypatch, went_through):
+    """A batch of timer outputs only (an incident closing, a request's outcome window
+    closing) commits no offsets: in doubt, whether its first record is committed decides
+    (it was sent again whatever happened, and written twice when it had gone through)."""
+    stand_in.hang = "commit_transaction"
+    asked = []
+
+    def is_committed(connection, topic, partition, offset):
+        asked.append((topic, partition, offset, len(stand_in.made)))
+        return went_through
+
+    monkeypatch.setattr(outputs, "is_committed", is_committed)
+    group = Group({})
+    delivery = Delivery(producer([]), group, pipeline=None, assignment=None, metrics=None, health=Health(),
+                        stopping=threading.Event(), save_state=lambda: None)
+    delivery._commit(SimpleNamespace(outputs=[OUT, OUT]), {})
+    assert asked == [("anomalies", 0, 41, 2)]  # the first record, asked once a new producer ended its transaction
+    assert group.asked == 0
+    assert stand_in.made[1].sent == ([] if went_through else SENT * 2)
     assert stand_in.made[1].committed is (not went_through)

@@ -14,7 +14,7 @@ from monitor.broker.admin import CREATED, EXISTS, create_topics
 from monitor.broker.connection import Connection
 from monitor.broker.offsets import Offsets
 from monitor.broker.tables import TableReader
-from monitor.broker.tail import read_tail
+from monitor.broker.tail import is_committed, read_tail
 from monitor.errors import InfrastructureError
 from monitor.protocol.topics import TopicSpec
 
@@ -87,6 +87,41 @@ def test_the_tail_holds_the_last_committed_records_and_no_aborted_one(kafka_brok
     assert offsets.end([(topic, 0), (topic, 1)], 10, committed=True) == ends  # no transaction left open
     assert offsets.beginning([(topic, 0), (topic, 1)], 10) == {(topic, 0): 0, (topic, 1): 0}
     assert ends[(topic, 0)] >= 8 and ends[(topic, 1)] >= 8  # records, markers included
+
+
+def test_a_record_is_told_committed_once_its_transaction_ended_and_aborted_never(kafka_broker, make_topic,
+                                                                                 unique_name):
+    """What a transaction given up on without offsets is told by (service/delivery.py):
+    its first record, read committed, once the partition's last stable offset passed it."""
+    topic = make_topic("outputs")
+    connection = Connection(kafka_broker.bootstrap)
+    producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap, transactional_id=unique_name("txn"))
+    other = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap, transactional_id=unique_name("txn"))
+    try:
+        producer.init_transactions()
+        other.init_transactions()
+        producer.begin_transaction()
+        committed = producer.send(topic, partition=0, value=b"committed").get(timeout=30).offset
+        producer.commit_transaction()
+        producer.begin_transaction()
+        aborted = producer.send(topic, partition=0, value=b"aborted").get(timeout=30).offset
+        producer.abort_transaction()
+        other.begin_transaction()  # an open transaction ahead of the next record holds its answer back
+        other.send(topic, partition=0, value=b"open").get(timeout=30)
+        producer.begin_transaction()
+        behind = producer.send(topic, partition=0, value=b"behind").get(timeout=30).offset
+        producer.commit_transaction()
+
+        assert is_committed(connection, topic, 0, committed, timeout_s=30)
+        assert not is_committed(connection, topic, 0, aborted, timeout_s=30)
+        with pytest.raises(InfrastructureError, match="did not end within") as raised:
+            is_committed(connection, topic, 0, behind, timeout_s=1)
+        assert raised.value.retriable
+        other.abort_transaction()
+        assert is_committed(connection, topic, 0, behind, timeout_s=30)
+    finally:
+        producer.close()
+        other.close()
 
 
 def test_topics_are_created_once_and_then_exist(kafka_broker, unique_name):
