@@ -9,6 +9,8 @@ from typing import Any
 
 #: topic, partition, offset of a record
 Source = tuple[str, int, int]
+#: the source of an output no record caused (a timer's: an incident closing, an outcome window closing)
+NO_SOURCE: Source = ("", -1, -1)
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,13 @@ from monitor.core.outcome import PENDING, Outcome
 from monitor.measuring.measurer import Duplicate, Rejected
 from monitor.protocol.findings import anomaly_record, evidence_fields, incident_record, outcome_record
 from monitor.protocol.observations import LateOutcome
-from monitor.protocol.records import Output, Source, TraceIdentity
+from monitor.protocol.records import NO_SOURCE, Output, Source, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
 
 __all__ = ["Findings", "Mode"]
 
 log = logging.getLogger(__name__)
-NO_SOURCE: Source = ("", -1, -1)
 
 
 class Mode(Enum):

@@ -29,14 +29,13 @@ from monitor.core.pending import Pending, PendingOutcomes
 from monitor.errors import TraceRejected
 from monitor.protocol import pending
 from monitor.protocol.observations import LateOutcome
-from monitor.protocol.records import Output, Source, TraceIdentity
+from monitor.protocol.records import NO_SOURCE, Output, Source, TraceIdentity
 from monitor.protocol.topics import Topics
 from monitor.service.exporter import MonitorMetrics
 
 __all__ = ["FLUSH_S", "Late"]
 
 log = logging.getLogger(__name__)
-NO_SOURCE: Source = ("", -1, -1)
 #: how often the pending table's changes are written (a trace's commit waits at most this
 #: much longer than the join held it)
 FLUSH_S = 5.0
