@@ -18,9 +18,10 @@ memory flat. And ``max.poll.interval.ms`` (REBALANCE_TIMEOUT_MS) is also how lon
 librdkafka waits for the answer to its JoinGroup, plus 3 s: a join sent as a broker
 restarts can go unanswered, and at the default (300 s) the member then stayed out of its
 group for five minutes while the others went on. The service polls every
-POLL_TIMEOUT_MS, less often only while it takes partitions over (seconds; 20 s measured
-through a broker restart); a member that does not poll within it leaves the group and
-joins again at its next poll.
+POLL_TIMEOUT_MS, less often only while it takes partitions over, which waits out a
+broker outage: a member held up longer than this leaves the group and joins again at its
+next poll (one rebalance more, nothing lost; the rebalance torture meets it after a
+broker restart).
 
 A librdkafka consumer that meets a fatal error never fetches again. One met here: a
 static member whose session timed out in a broker outage rejoins under a new member id,
