@@ -7,11 +7,11 @@ first: a crash can never commit the traces that taught a reference it then forge
 transaction that fails is aborted and tried again, with the same outputs and offsets,
 until it succeeds or the service is asked to stop; meanwhile ``/readyz`` says 503 (one
 given up on after its commit was asked for is sent again only if it did not commit:
-its offsets, or without offsets its first record, tell). When
-the group moved on (a rebalance under way, or a commit refused for a generation the
-group left during an outage), batches are held until the new assignment and then
-committed less what the new owners of the partitions that moved do again; no new
-assignment within :func:`rejoin_timeout_s` of a refusal, and the service ends with exit code 3: it
+its offsets, or without offsets its first record, tell). When the group moved on (a
+rebalance under way, or a commit refused for a generation the group left during an
+outage), batches are held until the new assignment and then committed less what the
+new owners of the partitions that moved do again; no new assignment within
+:func:`rejoin_timeout_s` of a refusal, and the service ends with exit code 3: it
 restarts from the committed offsets and reads back what was written, so nothing is
 lost or doubled.
 """
