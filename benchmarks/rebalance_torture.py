@@ -18,8 +18,15 @@ The disturbed run starts ``--instances`` instances in one group and, while the t
 flows, repeats ``--rounds`` times: an instance joins; one leaves (SIGTERM); the instance
 that judges the canary (the one whose ``attention_monitor_observations_judged_total``
 grows) is killed with SIGKILL once a joining instance has put the group into a
-rebalance; the broker stops and starts again. Each step waits, with a deadline, for
-the group to be stable with every live instance in it and ready.
+rebalance; the broker is killed (SIGKILL) and starts again. Each step waits, with a
+deadline, for the group to be stable with every live instance in it and ready.
+
+The broker restart is a crash, not a graceful stop: stopped with SIGTERM, this one-node
+Kafka 4.3.1 now and then records a transaction as committed without writing its commit
+markers, and its records are aborted later with the transaction after it (in 1 of the
+first 8 long runs here: 32 anomaly records lost, each in a transaction the broker had
+said was committed; ``benchmarks/broker_restart.py`` shows it without the monitor).
+No client can make up for that; docs/real-services.md has the measurements.
 
 It prints and compares, by (trace id, kind): anomaly records lost and doubled, and any
 the undisturbed run did not write; incidents opened; the canary request of the first
@@ -415,7 +422,7 @@ def disturbed(broker: KafkaBroker, workdir: Path, reference: list[Request], flow
 
             sending = stage.sender.send(segments.pop(0), rate)
             down = time.monotonic()
-            broker.process.stop()
+            broker.kill()  # a crash: see the module's docstring for why not SIGTERM
             broker.restart()
             note(f"round {round_ + 1}: the broker restarted ({time.monotonic() - down:.1f} s down)")
             fleet.settled(timeout=180)

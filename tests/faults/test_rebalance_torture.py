@@ -1,7 +1,9 @@
 """Rebalance torture, short (the long one: ``benchmarks/rebalance_torture.py``): three
 instances while healthy traffic and a collapsed canary pinned to the healthy revision
 flow; one joins, one leaves, the one that judges the canary is killed (kill -9) while a
-joining instance has the group rebalancing, and the broker restarts. Against one
+joining instance has the group rebalancing, and the broker restarts (killed: a graceful
+stop of the one-node broker can lose transactions it said were committed, see the long
+version's docstring). Against one
 undisturbed instance on the same records: no anomaly record lost, none doubled (by trace
 id and kind), one incident for the fault, the first finding within one request.
 
