@@ -12,12 +12,17 @@ from monitor.tools.demo import run_demo, summary
 runner = CliRunner()
 
 
-def test_check_config_masks_secrets(monkeypatch):
+def usable(monkeypatch, **settings: str) -> None:
+    """A configuration check-config accepts (scopes and a bare key), and ``settings`` (names
+    without the prefix) on top."""
     monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
     monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
-    monkeypatch.setenv("ATTENTION_MONITOR_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
-    monkeypatch.setenv("ATTENTION_MONITOR_SASL_USERNAME", "monitor")
-    monkeypatch.setenv("ATTENTION_MONITOR_SASL_PASSWORD", "hunter2-password")
+    for name, value in settings.items():
+        monkeypatch.setenv(f"ATTENTION_MONITOR_{name}", value)
+
+
+def test_check_config_masks_secrets(monkeypatch):
+    usable(monkeypatch, SECURITY_PROTOCOL="SASL_PLAINTEXT", SASL_USERNAME="monitor", SASL_PASSWORD="hunter2-password")
     result = runner.invoke(app, ["check-config"])
     assert result.exit_code == 0, result.output
     assert "a-very-secret-value" not in result.output and "hunter2" not in result.output
@@ -39,9 +44,7 @@ def test_check_config_wants_scopes_and_reads_tenant_bound_keys(monkeypatch):
 
 
 def test_check_config_reports_bad_settings(monkeypatch):
-    monkeypatch.setenv("ATTENTION_MONITOR_REFERENCE_PINS", "no-at-sign")
-    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
-    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
+    usable(monkeypatch, REFERENCE_PINS="no-at-sign")
     result = runner.invoke(app, ["check-config"])
     assert result.exit_code == 1 and "model@revision=reference_revision" in result.output
     monkeypatch.setenv("ATTENTION_MONITOR_DETAIL_LEVEL", "everything")
@@ -118,10 +121,7 @@ def test_triage_url_is_exported_for_alerts_and_checked(monkeypatch):
 def test_a_rebalance_timeout_shorter_than_the_session_is_refused(monkeypatch):
     """librdkafka refuses max.poll.interval.ms below session.timeout.ms at the consumer's
     start; check-config says so first, naming both settings."""
-    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
-    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_JSON", '{"k": "a-very-secret-value-123"}')
-    monkeypatch.setenv("ATTENTION_MONITOR_SESSION_TIMEOUT_MS", "20000")
-    monkeypatch.setenv("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS", "10000")
+    usable(monkeypatch, SESSION_TIMEOUT_MS="20000", REBALANCE_TIMEOUT_MS="10000")
     result = runner.invoke(app, ["check-config"])
     assert result.exit_code == 1, result.output
     assert ("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS (10000) must be at least ATTENTION_MONITOR_SESSION_TIMEOUT_MS "
