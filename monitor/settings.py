@@ -263,9 +263,11 @@ class Settings(BaseSettings):
                                      f"{exc.strerror}") from exc
 
     def masked(self) -> dict[str, Any]:
-        """Every setting, secrets shown as ``**********``."""
+        """Every setting in use, secrets shown as ``**********``."""
         out = {}
-        for name in type(self).model_fields:
+        for name, field in type(self).model_fields.items():
+            if field.exclude:  # a removed setting, refused when set (JUDGING)
+                continue
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 value = "**********"

@@ -52,6 +52,23 @@ def create_topics(connection: Connection, specs: Iterable[TopicSpec], replicatio
         raise from_librdkafka("creating topics failed", exc) from exc
 
 
+def partition_counts(connection: Connection, topics: Iterable[str], timeout_s: float = 15.0
+                     ) -> dict[str, int | None]:
+    """Each of ``topics``' partition counts as this principal sees the cluster; None for
+    a topic that does not exist or that it may not describe (without DESCRIBE a topic
+    looks absent). One metadata request for the whole cluster: asking for a topic by name
+    could create it on a broker that creates topics on demand."""
+    try:
+        found = admin_client(connection).list_topics(timeout=timeout_s).topics
+    except KafkaException as exc:
+        raise from_librdkafka("cannot describe the topics", exc) from exc
+    counts: dict[str, int | None] = {}
+    for topic in topics:
+        meta = found.get(topic)
+        counts[topic] = len(meta.partitions) if meta is not None and meta.error is None and meta.partitions else None
+    return counts
+
+
 def _wait_for_leaders(admin: AdminClient, topics: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for topic in topics:

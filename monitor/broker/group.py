@@ -128,22 +128,6 @@ class GroupMember:
 
     # --- the group -------------------------------------------------------------------
 
-    def check_topics(self, topics: Iterable[str]) -> dict[str, int]:
-        """Fail fast when a topic is missing or hidden by ACLs (a consumer without
-        DESCRIBE on a topic sees it as absent and would otherwise idle silently); the
-        partition count of each."""
-        counts = {}
-        for topic in topics:
-            try:
-                found = self._consumer.list_topics(topic, timeout=ASK_TIMEOUT_S).topics.get(topic)
-            except KafkaException as exc:
-                raise from_librdkafka(f"cannot describe topic {topic}", exc) from exc
-            if found is None or found.error is not None or not found.partitions:
-                raise InfrastructureError(f"topic {topic} does not exist or this principal may not describe it",
-                                          retriable=False)
-            counts[topic] = len(found.partitions)
-        return counts
-
     def subscribe(self) -> None:
         self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)

@@ -132,7 +132,8 @@ def status(
     pinned to a reference not ready), and open incidents; then the pins and promotions.
     Read from the saved reference state (ATTENTION_MONITOR_STATE_DIR) and the live
     services' /metrics: with several --url, traces add up and a layer is ready when the
-    instance that judges it says so. Exits 1 when nothing can be read."""
+    instance that judges it says so. A --url may leave out http:// (host:port/metrics).
+    Exits 1 when nothing can be read: no instance answered and no saved state."""
     from monitor.tools.status import gather, report
 
     settings = load_settings()
@@ -143,7 +144,7 @@ def status(
         if s.metrics_basic_auth_user and s.metrics_basic_auth_password else None
     found = gather(s.state_dir, targets, settings.detector(), auth, s.metrics_tls_cert)
     typer.echo(report(found, s.reference_traces), nl=False)
-    if not found.layers and not found.decisions:
+    if not found.answered and not found.layers and not found.decisions:
         raise typer.Exit(EXIT_FAILED)
 
 

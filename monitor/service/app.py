@@ -9,8 +9,9 @@ process that measures traces died.
 
 Every instance measures the traces of its trace partitions and judges the streams whose
 observations partitions it owns (:mod:`monitor.service.fleet`): the observations and
-judge-state topics are part of every deployment, and an instance that cannot find them
-refuses to start, naming them and the command that creates them.
+judge-state topics are part of every deployment. An instance that cannot find a topic it
+reads or writes refuses to start before anything else, naming every missing one and the
+command that creates them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from monitor.broker.admin import partition_counts
 from monitor.broker.connection import Connection
 from monitor.broker.group import GroupMember, client_versions
 from monitor.broker.outputs import OutputProducer
@@ -115,6 +117,7 @@ class Service:
             keyring = s.keyring()
             self.contracts = ContractTable(contract_verifier(keyring), s.max_contracts)
             state = None if self.state_file is None else self.state_file.load(detector)
+            self._check_topics(kafka)
             spec = MeasurerSpec(keyring, s.scopes(), s.limits(), detector, s.dedupe_window, state,
                                 logging.getLogger().getEffectiveLevel(), s.reuse_freed_memory)
             processes = s.measuring_processes()
@@ -145,7 +148,6 @@ class Service:
             log.info("garbage collector: %d objects made while starting frozen, the youngest generation "
                      "collected every %d allocations", frozen, YOUNG_THRESHOLD)
             producer, consumer = self._clients(kafka)
-            self._check_topics(consumer)
             consumer.subscribe()
             log.info("committing finished batches together at most every %d ms (COMMIT_INTERVAL_MS)",
                      s.commit_interval_ms)
@@ -199,33 +201,35 @@ class Service:
             raise
         return producer, consumer
 
-    def _check_topics(self, consumer: GroupMember) -> None:
-        """Every topic the service reads or writes, there and describable; the internal
-        ones (each stream's judging and the late outcomes go through them) named together
-        with the command that creates them when any is missing; the pending outcomes with
-        at least as many partitions as the traces."""
+    def _check_topics(self, kafka: Connection) -> None:
+        """Every topic the service reads or writes, there and describable, checked before
+        anything starts: all the missing ones named at once with the command that creates
+        them (the internal ones too: each stream's judging and the late outcomes go
+        through them); the pending outcomes with at least as many partitions as the
+        traces."""
         t = self.topics
-        partitions = consumer.check_topics([t.traces, t.outcomes, t.anomalies, t.dead_letter])[t.traces]
-        missing = []
-        counts: dict[str, int] = {}
-        for topic in (t.observations, t.judge_state, t.pending):
-            try:
-                counts.update(consumer.check_topics([topic]))
-            except InfrastructureError as exc:
-                if exc.retriable:
-                    raise
-                missing.append(topic)
+        internal = (t.observations, t.judge_state, t.pending)
+        counts = partition_counts(kafka, (t.traces, t.outcomes, t.contracts, t.references, t.anomalies,
+                                          t.dead_letter, *internal), self.settings.startup_timeout_s)
+        missing = [topic for topic, count in counts.items() if count is None]
+        partitions = counts[t.traces]
         if missing:
+            names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+            why = (f" Every instance judges through {t.observations} and {t.judge_state} (docs/scaling.md) and "
+                   f"keeps the requests whose outcome may come late on {t.pending} (docs/delivery.md)."
+                   if any(topic in internal for topic in missing) else "")
+            count, note = ((partitions, f"as many partitions as {t.traces}") if partitions is not None else
+                           ("N", "N: at most this many instances share the work, docs/scaling.md"))
             raise InfrastructureError(
-                f"topic{'s' if len(missing) > 1 else ''} {' and '.join(missing)} missing or not describable: every "
-                f"instance judges through {t.observations} and {t.judge_state} (docs/scaling.md) and keeps the "
-                f"requests whose outcome may come late on {t.pending} (docs/delivery.md). Create them with "
-                f"`attention-monitor topics create --partitions {partitions}` (as many partitions as {t.traces}; "
-                f"topics that exist are left as they are), or grant this principal DESCRIBE on them "
-                f"(`attention-monitor acls apply`)", retriable=False)
-        if counts.get(t.pending, partitions) < partitions:  # trace partition i keeps its requests on partition i
+                f"topic{'s' if len(missing) > 1 else ''} {names} missing or not describable.{why} Create them with "
+                f"`attention-monitor topics create --partitions {count}` ({note}; topics that exist are left as "
+                f"they are), or grant this principal DESCRIBE on them (`attention-monitor acls apply`)",
+                retriable=False)
+        assert partitions is not None
+        pending = counts[t.pending]
+        if pending is not None and pending < partitions:  # trace partition i keeps its requests on partition i
             raise InfrastructureError(
-                f"topic {t.pending} has {counts[t.pending]} partitions, fewer than the {partitions} of {t.traces}: "
+                f"topic {t.pending} has {pending} partitions, fewer than the {partitions} of {t.traces}: "
                 f"each trace partition keeps its requests awaiting a late outcome on the partition of the same "
                 f"number. Add partitions (kafka-topics --alter --partitions {partitions}) or create it anew",
                 retriable=False)

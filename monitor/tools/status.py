@@ -45,6 +45,7 @@ class Status:
     live: set[tuple[Layer, str]] = field(default_factory=set)
     #: every revision's outcomes, added up over the live instances
     outcomes: OutcomeCounts = field(default_factory=OutcomeCounts)
+    answered: int = 0  #: live instances whose /metrics were read
 
 
 def from_state(status: Status, folder: Path, config: DetectorConfig) -> None:
@@ -172,10 +173,14 @@ def gather(state_dir: Path | None, urls: list[str], config: DetectorConfig,
     if state_dir is not None:
         from_state(status, state_dir, config)
     else:
-        status.notes.append("no STATE_DIR set: reference state is not saved")
+        status.notes.append("ATTENTION_MONITOR_STATE_DIR is not set where this command runs: no saved reference "
+                            "state read (set it to an instance's STATE_DIR to read its pins and promotions)")
     for url in urls:
+        if "://" not in url:
+            url = f"http://{url}"  # host:port/metrics, as Prometheus targets are written
         try:
             from_metrics(status, scrape(url, basic_auth, cafile))
+            status.answered += 1
         except (urllib.error.URLError, OSError, ValueError) as exc:
             status.notes.append(f"the live service at {url} did not answer ({exc}); its view is missing")
     return status

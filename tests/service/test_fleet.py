@@ -9,6 +9,7 @@ judge, wherever it was measured."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from kafka import KafkaAdminClient
 
 from devstack.wait import wait_for
+from monitor.protocol.topics import Topics
 from monitor.tools.scenario import Fault, Scenario
 from tests.service.harness import (
     Monitor,
@@ -133,6 +135,24 @@ def test_an_instance_without_the_internal_topics_refuses_to_start_and_names_them
         assert (f"topics missing-observations-{tmp_path.name} and missing-judge-state-{tmp_path.name} missing"
                 in log), log[-2000:]
         assert "attention-monitor topics create --partitions 2" in log
+    finally:
+        monitor.process.stop()
+
+
+def test_an_instance_on_a_broker_without_its_topics_names_every_one_and_the_command(kafka_broker, tmp_path):
+    """A first start against a fresh broker: one refusal naming every missing topic and
+    how to create them, not the first one alone."""
+    topics = Topics(**{field.name: f"absent-{field.name}-{tmp_path.name}" for field in fields(Topics)})
+    env = monitor_env(kafka_broker.bootstrap, topics, f"fresh-{tmp_path.name}", tmp_path, measure_processes=0)
+    monitor = Monitor(env, tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: not monitor.process.alive(), timeout=90, what="the instance to refuse")
+        log = monitor.process.log_path.read_text()
+        assert monitor.process.proc.returncode == 3, log[-2000:]
+        refusal = next(line for line in log.splitlines() if "missing or not describable" in line)
+        assert all(name in refusal for name in vars(topics).values()), refusal
+        assert "`attention-monitor topics create --partitions N` (N: at most this many instances" in refusal
+        assert "measuring in" not in log, log  # refused before measuring started
     finally:
         monitor.process.stop()
 

@@ -23,8 +23,11 @@ def test_missing_acls_end_the_monitor_with_a_clear_reason_and_granted_acls_let_i
 
     denied = Monitor(env, tmp_path / "denied.log", "denied")
     assert denied.process.proc.wait(60) == 3
-    assert f"topic {topics.contracts} does not exist or this principal may not describe it" in \
-        denied.process.log_path.read_text()
+    log = denied.process.log_path.read_text()
+    # every topic named at once (without DESCRIBE a topic looks absent), with both remedies
+    refusal = next((line for line in log.splitlines() if "missing or not describable" in line), log[-2000:])
+    assert all(topic in refusal for topic in (topics.traces, topics.contracts, topics.observations)), refusal
+    assert "grant this principal DESCRIBE on them (`attention-monitor acls apply`)" in refusal
 
     # 4 topics read (2 ACLs each), 5 read and written (3 each: anomalies, dead letters,
     # observations, judge state, pending outcomes), the group, the transactional ids (2)
