@@ -22,8 +22,9 @@ from monitor.errors import ExitCode
 
 @topics_app.command("create")
 def topics_create(
-    partitions: Annotated[int, typer.Option(min=1, help="partitions of the traces, outcomes and anomalies topics: "
-                                            "at most this many instances share the work")] = 12,
+    partitions: Annotated[int, typer.Option(min=1, help="partitions of the traces, outcomes, anomalies, observations, "
+                                            "judge-state and pending-outcomes topics: at most this many instances "
+                                            "share the work")] = 12,
     replication_factor: Annotated[int, typer.Option(help="-1: the broker's default.replication.factor")] = -1,
 ) -> None:
     """Create the monitor's topics on the broker of ATTENTION_MONITOR_BOOTSTRAP_SERVERS,

@@ -21,6 +21,11 @@ def run(log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERR
     """Consume traces and outcomes from Kafka, detect anomalies, serve /metrics.
 
     Configured by ATTENTION_MONITOR_* environment variables (see `check-config`).
+    Needs every topic `topics create` makes, the internal observations, judge-state and
+    pending-outcomes topics too (each stream is judged in one place, whatever the number
+    of instances: docs/scaling.md); it refuses to start without them, naming them.
+    Instances in one group (GROUP_ID) share the work; on one host each needs its own
+    METRICS_PORT, CLIENT_ID and STATE_DIR.
     Stops cleanly on SIGTERM/SIGINT after flushing and committing the current batch.
     Exit codes: 0 stopped cleanly, 1 configuration error, 3 Kafka unreachable, a topic
     missing or not authorized, or outputs could not be written, 4 the measuring process

@@ -239,6 +239,9 @@ class Loop:
                      len(emitted), len(written.trace_ids))
         if change.kept:
             log.info("rebalanced; kept %d partitions, resuming them where this instance left off", len(change.kept))
+        if not assigned:
+            log.info("assigned no partition (the group has more instances than %s has partitions): standing by, "
+                     "ready, to take partitions over when an instance leaves", self.topics.traces)
         self.pipeline.reassign({tp: o for tp, o in service.assignment.positions.items() if tp in assigned},
                                change.lost, emitted)
         for topic, partition in sorted(change.new):

@@ -170,6 +170,7 @@ def test_an_instance_given_no_partition_stands_by_ready_and_takes_the_work_when_
         wait_for(lambda: a.value(traced) + b.value(traced) >= 20, timeout=60, what="the first 20 traces processed")
         working, standing_by = (a, b) if a.value(traced) else (b, a)
         assert standing_by.value(traced) == 0 and standing_by.ready()
+        assert "assigned no partition" in standing_by.process.log_path.read_text()  # says why it is idle
         working.process.stop()
         more = healthy(20, 0, start=100)
         send_traces(bootstrap, topics.traces, more)
