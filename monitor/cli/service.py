@@ -94,15 +94,20 @@ def produce(
     collapse_layer: Annotated[int | None, typer.Option(help="a layer whose heads drift together")] = None,
     collapse_after: Annotated[int, typer.Option(help="requests before the drift starts")] = 300,
     key_id: Annotated[str | None, typer.Option(help="keyring key to sign with (default: the first)")] = None,
+    tenant: Annotated[str, typer.Option(help="the traces' tenant: one the key may sign")] = "demo",
+    data_class: Annotated[str, typer.Option(help="the traces' data class")] = "synthetic",
 ) -> None:
     """Publish a synthetic model's contract, signed traces and outcomes to Kafka.
 
     Uses the same ATTENTION_MONITOR_* settings as `run` (broker, topics, keyring), so a
-    deployment can be smoke-tested end to end. Traces are scoped tenant demo, data class
-    synthetic: allow that scope in the monitor.
+    deployment can be smoke-tested end to end. The traces are scoped --tenant and
+    --data-class (demo:synthetic by default): the key must be allowed to sign that tenant
+    and publish contracts, and the monitor's ALLOWED_SCOPES must allow the scope, or the
+    monitor refuses every trace (scope_denied). With the README's keyring (key team-a)
+    and scopes: --tenant team-a --data-class internal.
     """
     from monitor.errors import ConfigurationError
-    from monitor.tools.produce import SyntheticTraffic, produce_synthetic
+    from monitor.tools.produce import SyntheticTraffic, produce_synthetic, refusal
 
     if not synthetic:
         typer.echo("error: only --synthetic traffic can be produced", err=True)
@@ -114,13 +119,18 @@ def produce(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from exc
     kid = key_id or next(iter(sorted(keyring.keys)), None)
-    secret = keyring.secret(kid) if kid else None
-    if kid is None or secret is None:
+    key = keyring.key(kid) if kid else None
+    if kid is None or key is None:
         typer.echo(f"error: key {kid!r} is not in the keyring", err=True)
         raise typer.Exit(EXIT_USAGE)
+    refused = refusal(key, kid, tenant, data_class, settings.allowed_scopes)
+    if refused is not None:
+        typer.echo(f"error: {refused}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     traffic = SyntheticTraffic(model_id=model_id, revision=revision, requests=requests, rate=rate,
-                               collapse_layer=collapse_layer, collapse_after=collapse_after)
-    sent = produce_synthetic(settings, traffic, kid, secret)
+                               collapse_layer=collapse_layer, collapse_after=collapse_after, tenant=tenant,
+                               data_class=data_class)
+    sent = produce_synthetic(settings, traffic, kid, key.secret)
     typer.echo(f"published the contract of {model_id} {revision} and {sent} traces with outcomes")
 
 

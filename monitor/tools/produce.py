@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from monitor.producer import Scope, TraceProducer
+from monitor.protocol.access import Key, ScopePolicy
 from monitor.settings import Settings
 from monitor.tools.synthetic import SyntheticModel, layer_roles, make_header, sample_positions, trace_weights
 
@@ -25,6 +27,26 @@ class SyntheticTraffic:
     collapse_after: int = 0  #: requests before the collapse starts
     tenant: str = "demo"
     data_class: str = "synthetic"
+
+
+def refusal(key: Key, key_id: str, tenant: str, data_class: str, allowed_scopes: Sequence[str]) -> str | None:
+    """Why the monitor would refuse every trace or the contract signed with ``key`` at
+    this scope (None when it would not): checked before anything is sent, since the
+    monitor only counts its refusals (``scope_denied``, ``unknown_contract``). The scopes
+    checked are this process's ALLOWED_SCOPES, when set: the same settings as ``run``'s."""
+    if not key.may_sign(tenant):
+        return (f"key {key_id} may sign traces of {', '.join(sorted(key.tenants))} only, not of tenant {tenant}: "
+                f"the monitor would refuse every trace (scope_denied). Pass --tenant {sorted(key.tenants)[0]} (and "
+                "the --data-class ALLOWED_SCOPES allows), or sign with a key of that tenant "
+                f"(attention-monitor keyring new FILE --key-id {tenant} --tenant {tenant})")
+    if not key.contracts:
+        return (f"key {key_id} may not publish model contracts (--no-contracts): the monitor would refuse the "
+                "synthetic model's contract, then every trace (unknown_contract). Sign with a key that may")
+    if allowed_scopes and not ScopePolicy.parse(allowed_scopes).permits(Scope(tenant=tenant, data_class=data_class)):
+        return (f"ALLOWED_SCOPES ({','.join(allowed_scopes)}) does not allow {tenant}:{data_class}: a monitor with "
+                f"these settings would refuse every trace (scope_denied). Add {tenant}:{data_class} to it, or pass "
+                "the --tenant and --data-class it allows")
+    return None
 
 
 def produce_synthetic(settings: Settings, traffic: SyntheticTraffic, key_id: str, secret: bytes) -> int:

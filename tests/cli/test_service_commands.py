@@ -129,3 +129,32 @@ def test_a_rebalance_timeout_shorter_than_the_session_is_refused(monkeypatch):
             "(20000)") in result.output
     monkeypatch.setenv("ATTENTION_MONITOR_REBALANCE_TIMEOUT_MS", "20000")
     assert runner.invoke(app, ["check-config"]).exit_code == 0
+
+
+def test_produce_refuses_a_scope_the_monitor_would_refuse_before_sending_anything(monkeypatch, tmp_path):
+    """The README's keyring (key team-a, tenant team-a) and scopes (team-a:internal): the
+    default synthetic scope, demo:synthetic, would be refused trace by trace by the
+    monitor, which only counts it; produce says so and sends nothing. Nothing listens at
+    the bootstrap address: a refusal that came after connecting would fail otherwise."""
+    keyring = tmp_path / "keyring.json"
+    assert runner.invoke(app, ["keyring", "new", str(keyring), "--key-id", "team-a"]).exit_code == 0
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_FILE", str(keyring))
+    monkeypatch.setenv("ATTENTION_MONITOR_ALLOWED_SCOPES", "team-a:internal")
+    monkeypatch.setenv("ATTENTION_MONITOR_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+
+    result = runner.invoke(app, ["produce", "--synthetic", "--requests", "1"])
+    assert result.exit_code == 2, result.output
+    assert "key team-a may sign traces of team-a only, not of tenant demo" in result.output
+    assert "--tenant team-a" in result.output
+
+    result = runner.invoke(app, ["produce", "--synthetic", "--requests", "1", "--tenant", "team-a"])
+    assert result.exit_code == 2, result.output
+    assert "ALLOWED_SCOPES (team-a:internal) does not allow team-a:synthetic" in result.output
+
+    contracts_barred = tmp_path / "no-contracts.json"
+    assert runner.invoke(app, ["keyring", "new", str(contracts_barred), "--key-id", "team-a",
+                               "--no-contracts"]).exit_code == 0
+    monkeypatch.setenv("ATTENTION_MONITOR_KEYRING_FILE", str(contracts_barred))
+    result = runner.invoke(app, ["produce", "--synthetic", "--requests", "1", "--tenant", "team-a",
+                                 "--data-class", "internal"])
+    assert result.exit_code == 2 and "may not publish model contracts" in result.output, result.output
