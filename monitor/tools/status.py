@@ -33,6 +33,10 @@ class LayerStatus:
     incidents: list[str] = field(default_factory=list)
     #: per family of an open incident: the heads it names, with the traces naming each
     heads: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: whether a live instance read gave the layer a verdict: None without a live view of
+    #: it; False while those read only measured it (another instance judges it, or its
+    #: first traces have not reached their judge yet)
+    verdicts: bool | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ def from_metrics(status: Status, text: str) -> None:
                 continue
             key = (labels["model"], labels["revision"], int(labels["layer"]))
             row = status.layers[key]
+            row.verdicts = row.verdicts or _verdict(sample.name, sample.value)
             if sample.name == "attention_traces_total":
                 row.traces += sample.value
             elif sample.name == "attention_reference_ready":
@@ -107,6 +112,13 @@ def from_metrics(status: Status, text: str) -> None:
             elif sample.name == "attention_incident_heads" and sample.value > 0:
                 named = row.heads.setdefault(labels["family"], {})
                 named[labels["head"]] = max(named.get(labels["head"], 0.0), sample.value)
+
+
+def _verdict(name: str, value: float) -> bool:
+    """Whether this sample says its instance judged the layer (an instance that only
+    measures a layer exports its reference gauges at 0 and counts no unjudged trace)."""
+    return value > 0 and name in ("attention_reference_traces", "attention_reference_ready",
+                                  "attention_reference_judge", "attention_traces_unjudged_total")
 
 
 def scrape(url: str, basic_auth: tuple[str, str] | None = None, cafile: Path | None = None,
@@ -141,6 +153,8 @@ def report(status: Status, reference_traces: int) -> str:
     for (model, revision, layer), row in sorted(status.layers.items()):
         held = "-" if row.reference_traces is None else f"{row.reference_traces:.0f}/{reference_traces}"
         ready = {True: " ready", False: " learning", None: ""}[row.ready]
+        if row.verdicts is False:
+            held, ready = "-", " (no verdict here)"
         unjudged = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(row.unjudged.items())) or "-"
         incidents = "; ".join(_incident(family, row.heads.get(family, {})) for family in row.incidents) or "-"
         rows.append([model, revision, str(layer), row.judged_by, held + ready, f"{row.traces:.0f}", unjudged,
@@ -162,6 +176,10 @@ def report(status: Status, reference_traces: int) -> str:
                                         "not pinned (pin the revision its traces carry)" if seen else
                                         "no traces of it yet"))
     lines += outcome_status.report(status.outcomes)
+    if any(row.verdicts is False for row in status.layers.values()):
+        lines.append("note: no verdict here: none of the instances read judged the layer; another instance judges "
+                     "it (give every instance's /metrics, --url once each) or its first traces are on their way "
+                     "to their judge")
     lines += [f"note: {note}" for note in status.notes]
     return "\n".join(lines) + "\n"
 

@@ -61,6 +61,33 @@ def test_a_layer_is_ready_when_the_instance_that_judges_it_says_so():
         assert status.layers[("m", "r", 0)].ready is (judge in order)
 
 
+def test_a_layer_another_instance_judges_is_not_shown_as_learning_from_one_instance_alone():
+    """One instance's /metrics, of a layer it measures and another instance judges: its
+    reference gauges read 0, which is no verdict, not a reference learning; with the
+    judge's /metrics too the fleet's view shows the judge's."""
+    measures = "\n".join([
+        'attention_traces_total{model="m",revision="r",layer="0"} 40',
+        'attention_reference_traces{model="m",revision="r",layer="0"} 0',
+        'attention_reference_ready{model="m",revision="r",layer="0"} 0', ""])
+    judges = "\n".join([
+        'attention_traces_total{model="m",revision="r",layer="0"} 60',
+        'attention_reference_traces{model="m",revision="r",layer="0"} 100',
+        'attention_reference_ready{model="m",revision="r",layer="0"} 0',
+        'attention_traces_unjudged_total{model="m",revision="r",layer="0",reason="learning"} 100', ""])
+    alone = Status()
+    from_metrics(alone, measures)
+    text = report(alone, 200)
+    header, row = text.splitlines()[:2]
+    assert columns(row, header)[4] == "- (no verdict here)", text
+    assert "another instance judges it (give every instance's /metrics, --url once each)" in text
+    fleet = Status()
+    for metrics in (measures, judges):
+        from_metrics(fleet, metrics)
+    text = report(fleet, 200)
+    header, row = text.splitlines()[:2]
+    assert columns(row, header)[4:6] == ["100/200 learning", "100"] and "no verdict" not in text, text
+
+
 class IdleInstance(BaseHTTPRequestHandler):
     """A live instance that has seen no trace yet: its /metrics hold no layer."""
 
