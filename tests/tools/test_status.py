@@ -4,12 +4,13 @@ the model ids and revisions; open incidents with the heads they name."""
 from __future__ import annotations
 
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from monitor.cli import app
+from monitor.service.exporter import MonitorMetrics
+from monitor.service.http import MetricsServer
 from monitor.tools.status import LayerStatus, Status, from_metrics, report
 
 LONG_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -88,40 +89,22 @@ def test_a_layer_another_instance_judges_is_not_shown_as_learning_from_one_insta
     assert columns(row, header)[4:6] == ["100/200 learning", "100"] and "no verdict" not in text, text
 
 
-class IdleInstance(BaseHTTPRequestHandler):
-    """A live instance that has seen no trace yet: its /metrics hold no layer."""
-
-    def do_GET(self) -> None:
-        body = b"attention_monitor_traces_consumed_total 0.0\n"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
 def test_an_idle_fleet_is_read_and_exits_0_and_a_url_may_leave_out_its_scheme(monkeypatch):
     """Instances that answer but have seen no layer yet are a healthy idle fleet, not
     "nothing can be read"; without STATE_DIR where the command runs, the note says that
     is where it runs, not that the instances save nothing."""
     monkeypatch.delenv("ATTENTION_MONITOR_STATE_DIR", raising=False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), IdleInstance)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = CollectorRegistry()
+    MonitorMetrics(registry)  # an instance's own series, before its first trace
+    server = MetricsServer(registry, port=0).start()
+    port = server.port
     try:
-        port = server.server_address[1]
         result = CliRunner().invoke(app, ["status", "--url", f"127.0.0.1:{port}/metrics",
-                                          "--url", f"http://127.0.0.1:{port}/metrics"])
+                                          "--url", f"{server.url}/metrics"])
         assert result.exit_code == 0, result.output
         assert "(no layer seen yet)" in result.output and "did not answer" not in result.output, result.output
         assert "STATE_DIR is not set where this command runs" in result.output
-
-        server.shutdown()
-        server.server_close()
-        result = CliRunner().invoke(app, ["status", "--url", f"127.0.0.1:{port}/metrics"])
-        assert result.exit_code == 1 and "did not answer" in result.output, result.output
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
+    result = CliRunner().invoke(app, ["status", "--url", f"127.0.0.1:{port}/metrics"])
+    assert result.exit_code == 1 and "did not answer" in result.output, result.output
